@@ -1,0 +1,89 @@
+// Small device helpers shared by the hand-written kernels (torch-free).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace qops {
+
+template <typename T>
+__device__ __forceinline__ float to_float(T v);
+template <>
+__device__ __forceinline__ float to_float<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ float to_float<__half>(__half v) { return __half2float(v); }
+template <>
+__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) {
+  return __bfloat162float(v);
+}
+
+template <typename T>
+__device__ __forceinline__ T from_float(float v);
+template <>
+__device__ __forceinline__ float from_float<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+
+// The qops int8 convention (python/qops/quantization.py): saturate(round_half_even(v)) into
+// [-128, 127]; NaN gives 0. `v` is already x / scale (an IEEE division, not a reciprocal).
+__device__ __forceinline__ int8_t saturate_int8(float v) {
+  if (v != v) return 0;
+  int i = __float2int_rn(v);  // round half to even; +-Inf saturates to INT_MAX / INT_MIN
+  i = i < -128 ? -128 : (i > 127 ? 127 : i);
+  return static_cast<int8_t>(i);
+}
+
+constexpr float kScaleFloor = 1e-10f;  // python/qops/quantization.py SCALE_FLOOR
+
+// Dynamic symmetric scale from a row's amax (fmaxf-reduced, so NaN is ignored).
+__device__ __forceinline__ float absmax_to_scale(float amax) {
+  return fmaxf(amax / 127.0f, kScaleFloor);
+}
+
+__device__ __forceinline__ float warp_reduce_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+__device__ __forceinline__ float warp_reduce_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Block-wide max; every thread gets the result. `smem` holds at least 32 floats.
+__device__ __forceinline__ float block_reduce_max(float v, float* smem) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int nwarps = (blockDim.x + 31) >> 5;
+  v = warp_reduce_max(v);
+  __syncthreads();  // smem may still be read by a previous reduction
+  if (lane == 0) smem[warp] = v;
+  __syncthreads();
+  v = lane < nwarps ? smem[lane] : 0.0f;
+  return warp_reduce_max(v);
+}
+
+__device__ __forceinline__ float block_reduce_sum(float v, float* smem) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int nwarps = (blockDim.x + 31) >> 5;
+  v = warp_reduce_sum(v);
+  __syncthreads();
+  if (lane == 0) smem[warp] = v;
+  __syncthreads();
+  v = lane < nwarps ? smem[lane] : 0.0f;
+  return warp_reduce_sum(v);
+}
+
+inline bool is_aligned(const void* p, size_t bytes) {
+  return (reinterpret_cast<uintptr_t>(p) % bytes) == 0;
+}
+
+}  // namespace qops

@@ -1,0 +1,172 @@
+// Symmetric int8 quantization kernels. See quant.h for the contract.
+//
+// quant_per_token: one CTA per row. When the row is 16-byte aligned and its length a multiple of
+// the vector width, each thread keeps its VPT 16-byte vectors in registers between the amax
+// reduction and the quantization, so the row is read from DRAM once. Other rows take a scalar
+// two-pass path (the second pass re-reads the row, normally from L2).
+#include "common/cuda_utils.cuh"
+#include "quant/quant.h"
+
+namespace qops {
+namespace {
+
+template <int E>
+struct Int8Chunk;  // E int8 values stored with one instruction
+template <>
+struct Int8Chunk<8> { using type = uint2; };
+template <>
+struct Int8Chunk<4> { using type = uint32_t; };
+
+template <typename T, int VPT>
+__global__ void __launch_bounds__(512) quant_per_token_vec_kernel(const T* __restrict__ in, int64_t in_row_stride,
+                                           int8_t* __restrict__ out, float* __restrict__ scales,
+                                           int64_t cols) {
+  constexpr int E = 16 / sizeof(T);
+  using Chunk = typename Int8Chunk<E>::type;
+  __shared__ float smem[32];
+  const int64_t row = blockIdx.x;
+  const uint4* row_in = reinterpret_cast<const uint4*>(in + row * in_row_stride);
+  const int64_t nvec = cols / E;
+
+  uint4 regs[VPT];
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    const int64_t v = threadIdx.x + int64_t(i) * blockDim.x;
+    if (v < nvec) {
+      regs[i] = row_in[v];
+      const T* e = reinterpret_cast<const T*>(&regs[i]);
+#pragma unroll
+      for (int j = 0; j < E; ++j) amax = fmaxf(amax, fabsf(to_float(e[j])));
+    }
+  }
+  const float scale = absmax_to_scale(block_reduce_max(amax, smem));
+  if (threadIdx.x == 0) scales[row] = scale;
+
+  Chunk* row_out = reinterpret_cast<Chunk*>(out + row * cols);
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    const int64_t v = threadIdx.x + int64_t(i) * blockDim.x;
+    if (v < nvec) {
+      const T* e = reinterpret_cast<const T*>(&regs[i]);
+      alignas(sizeof(Chunk)) int8_t q[E];
+#pragma unroll
+      for (int j = 0; j < E; ++j) q[j] = saturate_int8(to_float(e[j]) / scale);
+      row_out[v] = *reinterpret_cast<const Chunk*>(q);
+    }
+  }
+}
+
+template <typename T>
+__global__ void quant_per_token_scalar_kernel(const T* __restrict__ in, int64_t in_row_stride,
+                                              int8_t* __restrict__ out,
+                                              float* __restrict__ scales, int64_t cols) {
+  __shared__ float smem[32];
+  const int64_t row = blockIdx.x;
+  const T* row_in = in + row * in_row_stride;
+  float amax = 0.0f;
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)
+    amax = fmaxf(amax, fabsf(to_float(row_in[c])));
+  const float scale = absmax_to_scale(block_reduce_max(amax, smem));
+  if (threadIdx.x == 0) scales[row] = scale;
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)
+    out[row * cols + c] = saturate_int8(to_float(row_in[c]) / scale);
+}
+
+template <typename T, bool kVec>
+__global__ void quant_per_tensor_kernel(const T* __restrict__ in, int64_t in_row_stride,
+                                        int8_t* __restrict__ out,
+                                        const float* __restrict__ scale_ptr, int64_t cols) {
+  constexpr int E = kVec ? 16 / sizeof(T) : 1;
+  const float scale = *scale_ptr;
+  const int64_t row = blockIdx.y;
+  const T* row_in = in + row * in_row_stride;
+  int8_t* row_out = out + row * cols;
+  const int64_t n = cols / E;
+  for (int64_t v = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; v < n;
+       v += int64_t(gridDim.x) * blockDim.x) {
+    if constexpr (kVec) {
+      using Chunk = typename Int8Chunk<E>::type;
+      const uint4 x = reinterpret_cast<const uint4*>(row_in)[v];
+      const T* e = reinterpret_cast<const T*>(&x);
+      alignas(sizeof(Chunk)) int8_t q[E];
+#pragma unroll
+      for (int j = 0; j < E; ++j) q[j] = saturate_int8(to_float(e[j]) / scale);
+      reinterpret_cast<Chunk*>(row_out)[v] = *reinterpret_cast<const Chunk*>(q);
+    } else {
+      row_out[v] = saturate_int8(to_float(row_in[v]) / scale);
+    }
+  }
+}
+
+inline int round_up_warp(int64_t n) { return int((n + 31) / 32 * 32); }
+
+template <typename T, int VPT>
+cudaError_t launch_token_vec(const T* in, int64_t stride, int8_t* out, float* scales,
+                             int64_t rows, int64_t cols, int threads, cudaStream_t stream) {
+  quant_per_token_vec_kernel<T, VPT><<<dim3(rows), threads, 0, stream>>>(in, stride, out, scales,
+                                                                         cols);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+template <typename T>
+cudaError_t quant_per_token(const T* in, int64_t in_row_stride, int8_t* out, float* scales,
+                            int64_t rows, int64_t cols, cudaStream_t stream) {
+  if (rows == 0 || cols == 0) return cudaSuccess;
+  if (rows > 0x7fffffff) return cudaErrorInvalidValue;
+  constexpr int E = 16 / sizeof(T);
+  const bool vec = cols % E == 0 && in_row_stride % E == 0 && is_aligned(in, 16);
+  const int64_t nvec = cols / E;
+  if (vec) {
+    // Smallest vectors-per-thread that covers the row with <= 256 threads (<= 512 for rows
+    // longer than 2048 vectors), so short rows (decode) still get a full CTA of lanes.
+    if (nvec <= 256 * 1) return launch_token_vec<T, 1>(in, in_row_stride, out, scales, rows, cols, round_up_warp(nvec), stream);
+    if (nvec <= 256 * 2) return launch_token_vec<T, 2>(in, in_row_stride, out, scales, rows, cols, round_up_warp((nvec + 1) / 2), stream);
+    if (nvec <= 256 * 4) return launch_token_vec<T, 4>(in, in_row_stride, out, scales, rows, cols, round_up_warp((nvec + 3) / 4), stream);
+    if (nvec <= 256 * 8) return launch_token_vec<T, 8>(in, in_row_stride, out, scales, rows, cols, round_up_warp((nvec + 7) / 8), stream);
+    if (nvec <= 512 * 16) return launch_token_vec<T, 16>(in, in_row_stride, out, scales, rows, cols, round_up_warp((nvec + 15) / 16), stream);
+  }
+  const int threads = cols >= 1024 ? 1024 : round_up_warp(cols);
+  quant_per_token_scalar_kernel<T><<<dim3(rows), threads, 0, stream>>>(in, in_row_stride, out,
+                                                                       scales, cols);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t quant_per_tensor(const T* in, int64_t in_row_stride, int8_t* out, const float* scale,
+                             int64_t rows, int64_t cols, cudaStream_t stream) {
+  if (rows == 0 || cols == 0) return cudaSuccess;
+  if (rows > 65535 * 1024LL) return cudaErrorInvalidValue;
+  constexpr int E = 16 / sizeof(T);
+  const bool vec = cols % E == 0 && in_row_stride % E == 0 && is_aligned(in, 16);
+  const int64_t n = vec ? cols / E : cols;
+  const int threads = n >= 256 ? 256 : round_up_warp(n);
+  const int64_t blocks_x = (n + threads - 1) / threads;
+  // Rows go on grid.y (at most 65535 per launch), columns on grid.x.
+  for (int64_t r0 = 0; r0 < rows; r0 += 65535) {
+    const int64_t nr = rows - r0 < 65535 ? rows - r0 : 65535;
+    const dim3 grid(unsigned(blocks_x < 1024 ? blocks_x : 1024), unsigned(nr));
+    if (vec)
+      quant_per_tensor_kernel<T, true><<<grid, threads, 0, stream>>>(
+          in + r0 * in_row_stride, in_row_stride, out + r0 * cols, scale, cols);
+    else
+      quant_per_tensor_kernel<T, false><<<grid, threads, 0, stream>>>(
+          in + r0 * in_row_stride, in_row_stride, out + r0 * cols, scale, cols);
+    cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+  }
+  return cudaSuccess;
+}
+
+#define QOPS_INSTANTIATE_QUANT(T)                                                              \
+  template cudaError_t quant_per_token<T>(const T*, int64_t, int8_t*, float*, int64_t, int64_t, \
+                                          cudaStream_t);                                       \
+  template cudaError_t quant_per_tensor<T>(const T*, int64_t, int8_t*, const float*, int64_t,   \
+                                           int64_t, cudaStream_t);
+QOPS_INSTANTIATE_QUANT(float)
+QOPS_INSTANTIATE_QUANT(__half)
+QOPS_INSTANTIATE_QUANT(__nv_bfloat16)
+
+}  // namespace qops

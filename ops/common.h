@@ -1,0 +1,58 @@
+// Shared helpers of the torch-op glue layer (ops/*.cpp). No kernel math here.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_runtime_api.h>
+#include <torch/library.h>
+
+#include <string>
+
+// Argument checks that name the op and the argument. All raise c10::Error subclasses, which
+// Python sees as RuntimeError / ValueError / TypeError.
+#define QOPS_CHECK(cond, op, ...) TORCH_CHECK(cond, "qops.", op, ": ", __VA_ARGS__)
+#define QOPS_CHECK_VALUE(cond, op, ...) TORCH_CHECK_VALUE(cond, "qops.", op, ": ", __VA_ARGS__)
+#define QOPS_CHECK_TYPE(cond, op, ...) TORCH_CHECK_TYPE(cond, "qops.", op, ": ", __VA_ARGS__)
+
+namespace qops_glue {
+
+inline void check_cuda(const at::Tensor& t, const char* op, const char* name) {
+  QOPS_CHECK_VALUE(t.is_cuda(), op, name, " must be a CUDA tensor, got device ", t.device());
+}
+
+inline void check_same_device(const at::Tensor& t, const at::Tensor& ref, const char* op,
+                              const char* name) {
+  QOPS_CHECK_VALUE(t.device() == ref.device(), op, name, " must be on ", ref.device(),
+                   ", got ", t.device());
+}
+
+inline void check_dtype(const at::Tensor& t, at::ScalarType dt, const char* op,
+                        const char* name) {
+  QOPS_CHECK_TYPE(t.scalar_type() == dt, op, name, " must be ", dt, ", got ", t.scalar_type());
+}
+
+inline void check_half(const at::Tensor& t, const char* op, const char* name) {
+  QOPS_CHECK_TYPE(t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16, op, name,
+                  " must be float16 or bfloat16, got ", t.scalar_type());
+}
+
+inline void check_contiguous(const at::Tensor& t, const char* op, const char* name) {
+  QOPS_CHECK_VALUE(t.is_contiguous(), op, name, " must be contiguous (got strides ",
+                   t.strides(), ")");
+}
+
+// Converts a kernel's cudaError_t into a Python exception naming the op.
+inline void check_launch(cudaError_t err, const char* op) {
+  TORCH_CHECK(err == cudaSuccess, "qops.", op, ": CUDA kernel failed: ",
+              cudaGetErrorString(err));
+}
+
+}  // namespace qops_glue
+
+// Headers allowed in ops/: ATen, c10/cuda (CUDAGuard, CUDAStream) and csrc/ kernel headers.
+// Not ATen/cuda/CUDAContext.h: it pulls in cuBLAS/cuSPARSE headers, which a CPU machine's CUDA
+// toolkit may lack, and the compile-only check in CI must work there.
+namespace qops_glue {
+inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream(); }
+}  // namespace qops_glue

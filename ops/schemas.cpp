@@ -1,0 +1,49 @@
+// The qops operator schemas: the one place where every op is defined.
+//
+// Implementations live elsewhere: the reference (CPU) and fake (meta) implementations are
+// registered from Python (python/qops/), the CUDA implementations from the per-family files in
+// ops/ (TORCH_LIBRARY_IMPL(qops, CUDA, m)). docs/ops.md states each op's numerical contract.
+#include <Python.h>
+#include <torch/library.h>
+
+TORCH_LIBRARY(qops, m) {
+  // ---- symmetric int8 quantization --------------------------------------------------------
+  m.def("quant_per_token(Tensor input) -> (Tensor, Tensor)");
+  m.def("quant_per_tensor(Tensor input, Tensor scale) -> Tensor");
+
+  // ---- RMSNorm (+ residual add) + int8 quant ----------------------------------------------
+  m.def("rms_norm_quant(Tensor input, Tensor weight, float epsilon, Tensor? scale=None)"
+        " -> (Tensor, Tensor)");
+  m.def("fused_add_rms_norm_quant(Tensor input, Tensor(a!) residual, Tensor weight,"
+        " float epsilon, Tensor? scale=None) -> (Tensor, Tensor)");
+
+  // ---- SiLU-and-mul + int8 quant ----------------------------------------------------------
+  m.def("silu_and_mul_quant(Tensor input, Tensor? scale=None) -> (Tensor, Tensor)");
+
+  // ---- int8 x int8 GEMM with dequantizing epilogue ----------------------------------------
+  m.def("w8a8_gemm(Tensor a, Tensor b, Tensor a_scale, Tensor b_scale, ScalarType out_dtype,"
+        " Tensor? bias=None) -> Tensor");
+
+  // ---- int4-weight x fp16/bf16-activation GEMM (Hopper mixed-input) -----------------------
+  m.def("w4a16_prepack(Tensor weight) -> Tensor");
+  m.def("w4a16_gemm(Tensor a, Tensor weight_packed, Tensor scales, Tensor? zeros,"
+        " int group_size) -> Tensor");
+
+  // ---- paged int8 KV cache ----------------------------------------------------------------
+  m.def("reshape_and_cache_int8(Tensor key, Tensor value, Tensor(a!) k_cache,"
+        " Tensor(b!) v_cache, Tensor(c!) k_scales, Tensor(d!) v_scales,"
+        " Tensor slot_mapping) -> ()");
+  m.def("paged_decode_attention_int8(Tensor query, Tensor k_cache, Tensor v_cache,"
+        " Tensor k_scales, Tensor v_scales, Tensor block_tables, Tensor seq_lens,"
+        " float sm_scale, Tensor? alibi_slopes=None, int num_splits=0) -> Tensor");
+
+  // ---- int4 KV cache (seed 002 row layout) and the split-K GQA decode ---------------------
+  m.def("quantize_kv_int4(Tensor kv, int num_groups) -> Tensor");
+  m.def("int4_gqa_decode(Tensor query, Tensor k, Tensor v, Tensor seq_lens, float sm_scale,"
+        " int num_groups, int num_splits=0) -> Tensor");
+}
+
+// `import qops._C` loads this library (and with it the registrations above).
+static PyModuleDef qops_c_module = {PyModuleDef_HEAD_INIT, "_C", "qops operator library", -1,
+                                    nullptr};
+PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&qops_c_module); }

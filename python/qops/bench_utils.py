@@ -1,0 +1,144 @@
+"""Benchmark helpers shared by bench/: timing that L2 does not flatter, the copy-bandwidth
+ceiling, and CSV / PNG output.
+
+Timing: ``bench_us(make_call, n_sets)`` builds ``n_sets`` independent input sets (so one call's
+inputs are not in L2 from the previous call), captures one CUDA graph that calls the op once per
+set, replays it, and reports the median time per call over many replays (CUDA events). Graph
+replay removes CPU launch gaps, as in a CUDA-graph decode loop.
+"""
+from __future__ import annotations
+
+import csv
+import os
+import statistics
+from typing import Callable, Sequence
+
+import torch
+
+
+def l2_rotation_sets(bytes_per_set: int, min_sets: int = 2, max_sets: int = 32) -> int:
+    """How many input sets to rotate so that together they exceed the L2 cache twice over."""
+    l2 = 50 << 20
+    if torch.cuda.is_available():
+        l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", l2) or l2
+    n = -(-2 * l2 // max(bytes_per_set, 1))
+    return int(max(min_sets, min(max_sets, n)))
+
+
+def bench_us(
+    make_call: Callable[[int], Callable[[], object]],
+    n_sets: int = 4,
+    *,
+    replays: int = 50,
+    warmup: int = 5,
+    use_graph: bool = True,
+) -> float:
+    """Median microseconds per call. ``make_call(i)`` returns a zero-argument callable running the
+    op on input set ``i`` (allocate the inputs inside ``make_call``, outside the timed region)."""
+    calls = [make_call(i) for i in range(n_sets)]
+    for c in calls:  # warm up (module load, autotuning, allocator)
+        c()
+    torch.cuda.synchronize()
+    if use_graph:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for c in calls:
+                c()
+        torch.cuda.current_stream().wait_stream(stream)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for c in calls:
+                c()
+
+        def run():
+            g.replay()
+    else:
+
+        def run():
+            for c in calls:
+                c()
+
+    for _ in range(warmup):
+        run()
+    times = []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(replays):
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000.0 / len(calls))
+    return statistics.median(times)
+
+
+_copy_gbps: float | None = None
+
+
+def copy_bandwidth_gbps(nbytes: int = 1 << 30) -> float:
+    """Measured device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written:
+    the practical memory ceiling that the memory-bound kernels are compared with."""
+    global _copy_gbps
+    if _copy_gbps is None:
+        src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 255)
+        dst = torch.empty_like(src)
+        us = bench_us(lambda i: (lambda: dst.copy_(src)), 1, replays=20, use_graph=False)
+        _copy_gbps = 2 * nbytes / (us * 1e-6) / 1e9
+    return _copy_gbps
+
+
+def gbps(nbytes: int, us: float) -> float:
+    return nbytes / (us * 1e-6) / 1e9
+
+
+def write_csv(rows: Sequence[dict], path: str) -> None:
+    if not rows:
+        return
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    keys = list(rows[0].keys())
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(rows)
+    print(f"wrote {path}")
+
+
+def print_table(rows: Sequence[dict], cols: Sequence[str] | None = None) -> None:
+    if not rows:
+        return
+    cols = list(cols or rows[0].keys())
+
+    def fmt(v):
+        return f"{v:.3g}" if isinstance(v, float) and abs(v) < 1e4 else (f"{v:.0f}" if isinstance(v, float) else str(v))
+
+    cells = [[fmt(r.get(c, "")) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+    print("  ".join(c.rjust(w) for c, w in zip(cols, widths)))
+    for row in cells:
+        print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
+
+
+def bar_plot(rows: Sequence[dict], label_key: str, value_keys: Sequence[str], title: str, ylabel: str, path: str) -> None:
+    """Grouped bar chart of ``value_keys`` per row; skipped with a note when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib not installed: skipped plot {path}")
+        return
+    n = len(rows)
+    fig, ax = plt.subplots(figsize=(max(6, 0.45 * n * len(value_keys)), 4.5))
+    width = 0.8 / len(value_keys)
+    for j, k in enumerate(value_keys):
+        ax.bar([i + j * width for i in range(n)], [float(r[k]) for r in rows], width, label=k)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(n)])
+    ax.set_xticklabels([str(r[label_key]) for r in rows], rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}")

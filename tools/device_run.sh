@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# One command for the lent GPU machine: install the carried wheels, build qops with CUDA, run the
+# GPU tests and the chosen benchmarks, and leave logs and CSVs under $OUT.
+#
+#   bash tools/device_run.sh [-t PYTEST_ARGS] [-b "BENCH_SCRIPT ARGS"]... [--no-sm90] [--sanitize "CMD"]
+#
+#   -t ARGS      pytest arguments (default: "-m gpu tests"); "none" skips the tests
+#   -b "S ARGS"  run `python S ARGS --out $OUT` (repeatable), e.g. -b "bench/bench_quant.py"
+#   --no-sm90    skip the sm_90a CUTLASS kernels (much faster build when working on other kernels)
+#   --sanitize C run C under compute-sanitizer memcheck and racecheck (e.g. "python -m pytest ...")
+#
+# Prepare the wheels once on your machine with `bash ../shared/tools/device_wheels.sh` and name
+# `.whl` in the device call's carry. Prints a short summary last.
+set -uo pipefail
+OUT=${OUT:-$PWD/device_out}
+mkdir -p "$OUT"
+TESTS="-m gpu tests"
+BENCHES=()
+SANITIZE=""
+export QOPS_ENABLE_SM90=${QOPS_ENABLE_SM90:-ON}
+while [ $# -gt 0 ]; do
+  case "$1" in
+    -t) TESTS="$2"; shift 2 ;;
+    -b) BENCHES+=("$2"); shift 2 ;;
+    --no-sm90) export QOPS_ENABLE_SM90=OFF; shift ;;
+    --sanitize) SANITIZE="$2"; shift 2 ;;
+    *) echo "device_run.sh: unknown argument $1" >&2; exit 2 ;;
+  esac
+done
+export PYTHONUNBUFFERED=1
+summary=()
+step() {  # step NAME LOGFILE CMD...: run, tee into $OUT/LOGFILE, remember the outcome
+  local name=$1 log=$2; shift 2
+  local t0=$SECONDS
+  "$@" 2>&1 | tee "$OUT/$log"
+  local rc=${PIPESTATUS[0]}
+  summary+=("$(printf '%-40s rc=%-3s %4ss  (%s)' "$name" "$rc" "$((SECONDS - t0))" "$log")")
+  return "$rc"
+}
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+
+export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
+export QOPS_NVCC_THREADS=${QOPS_NVCC_THREADS:-1}
+export QOPS_CUDA_ARCHS=${QOPS_CUDA_ARCHS:-90}
+step build build.log python3 -m pip install --no-build-isolation --no-deps -v -e . || {
+  printf '%s\n' "${summary[@]}"; exit 1; }
+python3 -c "import qops, torch; print('ops:', qops.op_names()); print('cuda kernels:', [n for n in qops.op_names() if qops.has_cuda_kernel(n)])" | tee "$OUT/ops.txt"
+
+rc_all=0
+if [ "$TESTS" != "none" ]; then
+  # shellcheck disable=SC2086
+  step "pytest $TESTS" tests.log python3 -m pytest -q -rs $TESTS || rc_all=1
+fi
+if [ -n "$SANITIZE" ]; then
+  # shellcheck disable=SC2086
+  step "memcheck" memcheck.log compute-sanitizer --tool memcheck --error-exitcode 9 $SANITIZE || rc_all=1
+  # shellcheck disable=SC2086
+  step "racecheck" racecheck.log compute-sanitizer --tool racecheck --error-exitcode 9 $SANITIZE || rc_all=1
+fi
+for b in "${BENCHES[@]}"; do
+  name=$(basename "${b%% *}" .py)
+  # shellcheck disable=SC2086
+  step "bench $b" "$name.log" python3 $b --out "$OUT" || rc_all=1
+done
+echo "==== summary"
+printf '%s\n' "${summary[@]}"
+exit $rc_all
