@@ -8,12 +8,52 @@
 #include <torch/library.h>
 
 #include <string>
+#include <type_traits>
 
 // Argument checks that name the op and the argument. All raise c10::Error subclasses, which
 // Python sees as RuntimeError / ValueError / TypeError.
-#define QOPS_CHECK(cond, op, ...) TORCH_CHECK(cond, "qops.", op, ": ", __VA_ARGS__)
-#define QOPS_CHECK_VALUE(cond, op, ...) TORCH_CHECK_VALUE(cond, "qops.", op, ": ", __VA_ARGS__)
-#define QOPS_CHECK_TYPE(cond, op, ...) TORCH_CHECK_TYPE(cond, "qops.", op, ": ", __VA_ARGS__)
+//
+// The message is formatted by qops_glue::format_message, never by streaming numbers into a
+// std::ostream inside _C.so: on the GPU machine's toolchain (GCC 13.3 under /opt/gcc) the
+// extension ended up with its own copy of libstdc++'s stream code whose locale facets were never
+// initialized, and `ss << int64_t` crashed with SIGSEGV instead of raising. Strings stream
+// safely (no num_put facet), so the finished message is handed to TORCH_CHECK as one string.
+#define QOPS_CHECK(cond, op, ...) \
+  TORCH_CHECK(cond, ::qops_glue::format_message("qops.", op, ": ", __VA_ARGS__))
+#define QOPS_CHECK_VALUE(cond, op, ...) \
+  TORCH_CHECK_VALUE(cond, ::qops_glue::format_message("qops.", op, ": ", __VA_ARGS__))
+#define QOPS_CHECK_TYPE(cond, op, ...) \
+  TORCH_CHECK_TYPE(cond, ::qops_glue::format_message("qops.", op, ": ", __VA_ARGS__))
+
+namespace qops_glue {
+
+inline void append(std::string& s, const char* v) { s += v; }
+inline void append(std::string& s, const std::string& v) { s += v; }
+inline void append(std::string& s, char v) { s += v; }
+inline void append(std::string& s, bool v) { s += v ? "true" : "false"; }
+template <typename T, std::enable_if_t<std::is_integral_v<T> || std::is_floating_point_v<T>, int> = 0>
+inline void append(std::string& s, T v) {
+  s += std::to_string(v);
+}
+inline void append(std::string& s, c10::IntArrayRef v) {
+  s += "[";
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(v[i]);
+  }
+  s += "]";
+}
+inline void append(std::string& s, c10::ScalarType v) { s += c10::toString(v); }
+inline void append(std::string& s, const c10::Device& v) { s += v.str(); }
+
+template <typename... Args>
+std::string format_message(const Args&... args) {
+  std::string s;
+  (append(s, args), ...);
+  return s;
+}
+
+}  // namespace qops_glue
 
 namespace qops_glue {
 

@@ -49,6 +49,14 @@ export QOPS_NVCC_THREADS=${QOPS_NVCC_THREADS:-1}
 export QOPS_CUDA_ARCHS=${QOPS_CUDA_ARCHS:-90}
 step build build.log python3 -m pip install --no-build-isolation --no-deps -v -e . || {
   printf '%s\n' "${summary[@]}"; exit 1; }
+# Which C++ toolchain built the extension, and did libstdc++ get linked dynamically (it must:
+# a static copy inside _C.so crashed on number formatting, see ops/common.h).
+so=$(python3 -c "import qops._C as c; print(c.__file__)")
+{ echo "c++: $(command -v c++) $(c++ --version | head -1)"
+  echo "libstdc++ linked by _C: $(ldd "$so" | grep -E 'stdc|gcc_s' | tr -s ' ' | tr '\n' ';')"
+  echo "compilers: $(ls /usr/bin/g++* /usr/bin/c++ 2>/dev/null | tr '\n' ' ') libstdc++ files: $(ls $(dirname $(dirname $(readlink -f $(command -v c++))))/lib*/libstdc++* 2>/dev/null | tr '\n' ' ')"
+  echo "stream code defined inside _C (0 expected): $(nm -C --defined-only "$so" | grep -c 'basic_ostream<char, std::char_traits<char> >::_M_insert')"
+} | tee "$OUT/toolchain.txt"
 python3 -c "import qops, torch; print('ops:', qops.op_names()); print('cuda kernels:', [n for n in qops.op_names() if qops.has_cuda_kernel(n)])" | tee "$OUT/ops.txt"
 
 rc_all=0
@@ -57,10 +65,9 @@ if [ "$TESTS" != "none" ]; then
   step "pytest $TESTS" tests.log python3 -m pytest -q -rs $TESTS || rc_all=1
 fi
 if [ -n "$SANITIZE" ]; then
-  # shellcheck disable=SC2086
-  step "memcheck" memcheck.log compute-sanitizer --tool memcheck --error-exitcode 9 $SANITIZE || rc_all=1
-  # shellcheck disable=SC2086
-  step "racecheck" racecheck.log compute-sanitizer --tool racecheck --error-exitcode 9 $SANITIZE || rc_all=1
+  # bash -c keeps the quoting of SANITIZE (e.g. a pytest -k expression with spaces)
+  step "memcheck" memcheck.log bash -c "compute-sanitizer --tool memcheck --error-exitcode 9 $SANITIZE" || rc_all=1
+  step "racecheck" racecheck.log bash -c "compute-sanitizer --tool racecheck --error-exitcode 9 $SANITIZE" || rc_all=1
 fi
 for b in "${BENCHES[@]}"; do
   name=$(basename "${b%% *}" .py)
