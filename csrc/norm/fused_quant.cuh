@@ -1,0 +1,368 @@
+// Device helpers shared by the fused "math + int8 quant" kernels of the norm and activation
+// families (csrc/norm/norm.cu, csrc/activation/activation.cu). Torch-free.
+//
+// Row-resident design (docs/norm_activation.md): a row is owned by `threads_per_row` threads (a
+// multiple of 32, blockDim.x) and a block holds `rows_per_block` rows (blockDim.y). Each thread
+// owns NV vectors of VEC elements, vector k of its row at index threadIdx.x + k * blockDim.x, and
+// keeps its values in registers from the load to the quantized store, so that a dynamic per-token
+// scale costs no second read of the row.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cstdint>
+
+#include "common/cuda_utils.cuh"
+
+namespace qops {
+namespace fq {
+
+// Raw storage type moved by one load / store of BYTES bytes.
+template <int BYTES>
+struct Raw;
+template <>
+struct Raw<16> { using type = uint4; };
+template <>
+struct Raw<8> { using type = uint2; };
+template <>
+struct Raw<4> { using type = uint32_t; };
+template <>
+struct Raw<2> { using type = uint16_t; };
+template <>
+struct Raw<1> { using type = uint8_t; };
+
+// N elements of T moved with one instruction.
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Vec {
+  T v[N];
+};
+
+template <typename T, int N>
+__device__ __forceinline__ Vec<T, N> load(const T* p) {
+  using R = typename Raw<sizeof(T) * N>::type;
+  Vec<T, N> r;
+  *reinterpret_cast<R*>(&r) = *reinterpret_cast<const R*>(p);
+  return r;
+}
+
+// Read-only, reused by every row (the norm weight): through the non-coherent path.
+template <typename T, int N>
+__device__ __forceinline__ Vec<T, N> load_ldg(const T* p) {
+  using R = typename Raw<sizeof(T) * N>::type;
+  Vec<T, N> r;
+  *reinterpret_cast<R*>(&r) = __ldg(reinterpret_cast<const R*>(p));
+  return r;
+}
+
+// The same read-only load, but `volatile` so that the compiler re-issues it rather than keeping the
+// first load's registers alive across a barrier (the weight is re-read from L1/L2 after the
+// reduction instead of occupying registers during it).
+template <typename T, int N>
+__device__ __forceinline__ Vec<T, N> reload_ldg(const T* p) {
+  static_assert(sizeof(T) * N == 16 || sizeof(T) * N == 2, "16-byte or 2-byte vectors");
+  Vec<T, N> r;
+  if constexpr (sizeof(T) * N == 16) {
+    uint4 u;
+    asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(u.x), "=r"(u.y), "=r"(u.z), "=r"(u.w)
+                 : "l"(p));
+    *reinterpret_cast<uint4*>(&r) = u;
+  } else {
+    uint16_t u;
+    asm volatile("ld.global.nc.u16 %0, [%1];" : "=h"(u) : "l"(p));
+    *reinterpret_cast<uint16_t*>(&r) = u;
+  }
+  return r;
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void store(T* p, const Vec<T, N>& v) {
+  using R = typename Raw<sizeof(T) * N>::type;
+  *reinterpret_cast<R*>(p) = *reinterpret_cast<const R*>(&v);
+}
+
+// The quantizer of one row: q = saturate_int8(round_half_even(y / s)) with the quotient of an IEEE
+// float32 division (docs/ops.md), computed without a per-element division: with r = RN(1 / s)
+// (one IEEE division per row), q0 = RN(y * r) is within one ulp of y / s, and Markstein's
+// correction RN(q0 + RN(y - s * q0) * r) (two FMAs; the remainder is exact) is the correctly
+// rounded quotient. That holds while y, s, r and the quotient stay normal; the fast path is taken
+// only for 1e-30 <= |s| <= 1e30, where every quotient that can round to a non-zero int8 is
+// normal. Other scales (0, Inf, NaN, extreme statics) take the IEEE division itself. Where the
+// correction yields NaN (y = +-Inf), q0 already holds IEEE's answer (+-Inf).
+// The saving is the per-element MUFU.RCP + FCHK + slow-path branch of the IEEE division: the
+// conversion/special-function pipe runs at 1/8 of the FMA rate on sm_90, and was the busiest.
+struct RowQuant {
+  float s, r;
+  bool fast;
+  __device__ __forceinline__ explicit RowQuant(float scale) : s(scale) {
+    const float a = fabsf(scale);
+    fast = a >= 1e-30f && a <= 1e30f;
+    r = fast ? __frcp_rn(scale) : 0.0f;
+  }
+};
+
+// cvt.rni.sat.s8: round half to even, saturate to [-128, 127], NaN -> 0; the int8 in the low byte.
+__device__ __forceinline__ uint32_t cvt_s8(float q) {
+  uint32_t r;
+  asm("cvt.rni.sat.s8.f32 %0, %1;" : "=r"(r) : "f"(q));
+  return r & 0xffu;
+}
+template <bool kFast>
+__device__ __forceinline__ uint32_t quant_one(float y, const RowQuant& qz) {
+  if constexpr (kFast) {
+    const float q0 = y * qz.r;
+    const float q = fmaf(fmaf(-qz.s, q0, y), qz.r, q0);
+    return cvt_s8(q != q ? q0 : q);
+  } else {
+    return cvt_s8(__fdiv_rn(y, qz.s));
+  }
+}
+
+// N quantized values packed into N bytes (little-endian: element 0 in the lowest byte).
+template <bool kFast, int N>
+__device__ __forceinline__ void store_q_impl(int8_t* p, const float (&y_in)[N], const RowQuant& qz) {
+  const float(&y)[N] = y_in;
+  if constexpr (N % 4 == 0) {
+    uint32_t w[N / 4];
+#pragma unroll
+    for (int i = 0; i < N / 4; ++i) {
+      w[i] = quant_one<kFast>(y[4 * i], qz) | (quant_one<kFast>(y[4 * i + 1], qz) << 8) |
+             (quant_one<kFast>(y[4 * i + 2], qz) << 16) |
+             (quant_one<kFast>(y[4 * i + 3], qz) << 24);
+    }
+    if constexpr (N == 8) {
+      *reinterpret_cast<uint2*>(p) = make_uint2(w[0], w[1]);
+    } else if constexpr (N == 4) {
+      *reinterpret_cast<uint32_t*>(p) = w[0];
+    } else {
+#pragma unroll
+      for (int i = 0; i < N / 4; ++i) reinterpret_cast<uint32_t*>(p)[i] = w[i];
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) p[i] = static_cast<int8_t>(quant_one<kFast>(y[i], qz));
+  }
+}
+
+// Sum and max over the threads of one row (blockDim.x threads; blockDim.y rows per block). Every
+// thread of the row gets both results. kMax=false skips the max. `red` holds 2 x 32 floats (at
+// most 32 warps per block). One __syncthreads when a row spans several warps; none otherwise.
+// Must be reached by every thread of the block (rows past the end included).
+template <bool kSum, bool kMax>
+__device__ __forceinline__ void row_reduce(float& sum, float& mx, float (*red)[32]) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    if (kSum) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (kMax) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  }
+  const int wpr = blockDim.x >> 5;  // warps per row
+  if (wpr == 1) return;
+  const int lane = threadIdx.x & 31;
+  const int base = threadIdx.y * wpr;
+  const int w = base + (threadIdx.x >> 5);
+  if (lane == 0) {
+    if (kSum) red[0][w] = sum;
+    if (kMax) red[1][w] = mx;
+  }
+  __syncthreads();
+  // Each warp of the row re-reduces the row's partials in the same order: all agree bitwise.
+  if (kSum) sum = lane < wpr ? red[0][base + lane] : 0.0f;
+  if (kMax) mx = lane < wpr ? red[1][base + lane] : 0.0f;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    if (kSum) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (kMax) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  }
+}
+
+// Cross-CTA step of the row reduction when a row is split over a thread-block cluster of
+// `cluster` CTAs (sm_90): every CTA publishes its partial (sum, max) in shared memory, and after a
+// cluster barrier every thread sums the partials of ranks 0..cluster-1 in rank order, so every CTA
+// of the row gets bitwise-identical results. The caller must call cluster_exit_wait() before it
+// exits (a peer may still be reading this CTA's partial); cluster_arrive() here releases it.
+__device__ __forceinline__ void cluster_arrive() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cluster_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#endif
+}
+
+template <bool kSum, bool kMax>
+__device__ __forceinline__ void cluster_reduce(float& sum, float& mx, float* part, int cluster) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (threadIdx.x == 0 && threadIdx.y == 0) {
+    part[0] = sum;
+    part[1] = mx;
+  }
+  cluster_arrive();
+  cluster_wait();
+  const uint32_t local = static_cast<uint32_t>(__cvta_generic_to_shared(part));
+  float s = 0.0f, m = 0.0f;
+  for (int r = 0; r < cluster; ++r) {
+    uint32_t remote;
+    asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(r));
+    float ps, pm;
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(ps) : "r"(remote));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(pm) : "r"(remote + 4));
+    if (kSum) s += ps;
+    if (kMax) m = fmaxf(m, pm);
+  }
+  sum = s;
+  mx = m;
+  cluster_arrive();  // this CTA is done reading its peers; cluster_wait() before exit
+#endif
+}
+
+// Launch shape of a row-resident kernel: blockDim = (threads_per_row, rows_per_block), each
+// thread owning `vec_per_thread` vectors of `vec` elements; a row is split over `cluster` CTAs
+// (a thread-block cluster, sm_90) when cluster > 1, in which case rows_per_block is 1.
+struct RowShape {
+  int vec = 1;              // elements per vector (16 bytes of input, or 1 on the scalar path)
+  int vec_per_thread = 1;   // NV
+  int threads_per_row = 32; // multiple of 32
+  int rows_per_block = 1;
+  int cluster = 1;          // CTAs per row
+};
+
+// __launch_bounds__ (most threads per block, blocks per SM) for a kernel holding E = NV * VEC
+// float values per thread in registers (the activation kernel): 64 registers up to 16 values,
+// 85 up to 32 (3 blocks of 256), 128 up to 64 (2 blocks of 256).
+__host__ __device__ constexpr int max_threads_for(int elems_per_thread) {
+  return elems_per_thread <= 8 ? 1024 : (elems_per_thread <= 16 ? 512 : 256);
+}
+__host__ __device__ constexpr int min_blocks_for(int elems_per_thread) {
+  return elems_per_thread > 32 && elems_per_thread <= 64 ? 2 : (elems_per_thread > 16 && elems_per_thread <= 32 ? 3 : 1);
+}
+
+// Tuning inputs of choose_row_shape (zeros: defaults).
+struct ShapeHints {
+  int target_tpr = 0;   // aim for about this many threads per row (per CTA slice)
+  int cluster = 0;      // force this many CTAs per row (1, 2, 4, 8); 0 = choose
+};
+
+// Picks (cluster, NV, threads_per_row, rows_per_block) for rows of `nvec` vectors of `vec`
+// elements (`row_bytes` of input per row), `rows` rows on a GPU with `sms` multiprocessors.
+//  - cluster: 1 unless a row does not fit one CTA's registers at a good occupancy (more than
+//    2048 vectors), or few rows would leave most SMs idle while each row is large: then the
+//    smallest power of two (<= 8) that gives each CTA <= 16 KiB of a row, with rows * cluster
+//    <= 2 * sms.
+//  - NV = ceil(slice / target), then the fewest warps covering the slice, within the launch
+//    bounds of that NV (target: see below); short rows are packed `rows_per_block` to a block of
+//    >= 128 threads.
+// Returns false when no shape fits (the row is too long).
+// `max_threads(nv * vec)` is the kernel's __launch_bounds__ for that many elements per thread.
+inline bool choose_row_shape(int64_t rows, int64_t nvec, int vec, int64_t row_bytes, int max_nv,
+                             bool allow_cluster, int sms, ShapeHints hints, RowShape* out,
+                             int (*max_threads)(int) = nullptr) {
+  int c = 1;
+  if (allow_cluster) {
+    if (hints.cluster > 0) {
+      c = hints.cluster;
+    } else {
+      while (c < 8 && (nvec + c - 1) / c > 2048) c *= 2;
+      while (c < 8 && row_bytes / c > (16 << 10) && rows * c * 2 <= 2 * static_cast<int64_t>(sms))
+        c *= 2;
+    }
+  }
+  for (;; c *= 2) {
+    if (c > (allow_cluster ? 8 : 1)) return false;
+    // Default threads per row slice (measured, bench sweep): when every row slice gets its own SM
+    // (decode), as many as the kernel allows (fewer vectors per thread: a shorter serial chain);
+    // otherwise 256, or 128 for rows of <= 512 vectors (more rows resident per SM).
+    const int target = hints.target_tpr > 0
+                           ? hints.target_tpr
+                           : (rows * c <= sms ? 1024 : (nvec <= 512 ? 128 : 256));
+    const int64_t slice = (nvec + c - 1) / c;
+    int nv0 = static_cast<int>((slice + target - 1) / target);
+    if (nv0 < 1) nv0 = 1;
+    for (int nv = nv0; nv <= max_nv; ++nv) {
+      int64_t tpr = (slice + nv - 1) / nv;
+      tpr = (tpr + 31) / 32 * 32;
+      if (tpr > (max_threads ? max_threads(nv * vec) : max_threads_for(nv * vec))) continue;
+      RowShape s;
+      s.vec = vec;
+      s.cluster = c;
+      s.threads_per_row = static_cast<int>(tpr);
+      s.vec_per_thread = static_cast<int>((slice + tpr - 1) / tpr);
+      s.rows_per_block = 1;
+      if (c == 1)
+        while (s.threads_per_row * s.rows_per_block * 2 <= 128) s.rows_per_block *= 2;
+      *out = s;
+      return true;
+    }
+    if (hints.cluster > 0) return false;
+  }
+}
+
+// choose_row_shape with the tuning hints, or without them when the hinted shape does not fit.
+inline bool choose_row_shape_or_default(int64_t rows, int64_t nvec, int vec, int64_t row_bytes,
+                                        int max_nv, bool allow_cluster, int sms, ShapeHints hints,
+                                        RowShape* out, int (*max_threads)(int) = nullptr) {
+  if (choose_row_shape(rows, nvec, vec, row_bytes, max_nv, allow_cluster, sms, hints, out,
+                       max_threads))
+    return true;
+  return (hints.target_tpr > 0 || hints.cluster > 0) &&
+         choose_row_shape(rows, nvec, vec, row_bytes, max_nv, allow_cluster, sms, ShapeHints{},
+                          out, max_threads);
+}
+
+// Multiprocessor count of the current device and whether it runs thread-block clusters (sm_90+),
+// read once per device.
+struct DeviceInfo {
+  int sms = 132;
+  bool clusters = false;
+};
+inline DeviceInfo device_info() {
+  static std::atomic<int> cache[64];  // (sms << 1 | clusters) + 1; 0 = not read yet
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return DeviceInfo{};
+  int v = cache[dev].load(std::memory_order_relaxed);
+  if (v == 0) {
+    int sms = 0, major = 0;
+    if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess)
+      return DeviceInfo{};
+    v = ((sms << 1) | (major >= 9 ? 1 : 0)) + 1;
+    cache[dev].store(v, std::memory_order_relaxed);
+  }
+  DeviceInfo d;
+  d.sms = (v - 1) >> 1;
+  d.clusters = ((v - 1) & 1) != 0;
+  return d;
+}
+
+// Launches a row kernel: row_blocks * cluster blocks, as clusters of `cluster` CTAs (sm_90) when
+// use_cluster and cluster > 1. (A persistent grid of clusters looping over rows was tried to pay
+// the cluster launch once: the loop cost the compiler ~100 registers per thread at NV = 7.)
+template <typename Kernel, typename Params>
+cudaError_t launch_rows(Kernel kernel, const Params& p, const RowShape& sh, int64_t row_blocks,
+                        cudaStream_t stream, bool use_cluster = true) {
+  const int64_t grid = row_blocks * sh.cluster;
+  const bool cluster = sh.cluster > 1 && use_cluster;
+  if (grid > 0x7fffffff) return cudaErrorInvalidValue;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(grid));
+  cfg.blockDim = dim3(sh.threads_per_row, sh.rows_per_block);
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  if (cluster) {
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = sh.cluster;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+  }
+  return cudaLaunchKernelEx(&cfg, kernel, p);
+}
+
+}  // namespace fq
+}  // namespace qops

@@ -1,0 +1,56 @@
+// CUDA implementation of qops::silu_and_mul_quant (torch glue only: checks, allocation, stream,
+// dispatch; the math is in csrc/activation/).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <string>
+
+#include "activation/activation.h"
+#include "common.h"
+#include "fused_quant_glue.h"
+
+namespace {
+
+using namespace qops_glue;
+
+std::tuple<at::Tensor, at::Tensor> silu_and_mul_quant_cuda(const at::Tensor& input,
+                                                           const std::optional<at::Tensor>& scale) {
+  constexpr const char* op = "silu_and_mul_quant";
+  check_cuda(input, op, "input");
+  check_half(input, op, "input");
+  QOPS_CHECK_VALUE(input.dim() >= 1 && input.size(-1) > 0 && input.size(-1) % 2 == 0, op,
+                   "input's last dimension must be 2*I > 0 (gate then up), got shape ",
+                   fq_glue::dims(input.sizes()));
+  fq_glue::check_scale(scale, input, op);
+  const int64_t I = input.size(-1) / 2;
+  const int64_t rows = input.numel() / input.size(-1);
+  const int64_t stride = fq_glue::row_stride(input, op, "input");
+  const c10::cuda::CUDAGuard guard(input.device());
+  std::vector<int64_t> out_shape(input.sizes().begin(), input.sizes().end());
+  out_shape.back() = I;
+  auto out = at::empty(out_shape, input.options().dtype(at::kChar));
+  auto scales = scale ? at::empty({1}, input.options().dtype(at::kFloat))
+                      : at::empty(input.sizes().slice(0, input.dim() - 1),
+                                  input.options().dtype(at::kFloat));
+  const float* s_in = scale ? scale->data_ptr<float>() : nullptr;
+  cudaError_t err;
+  if (input.scalar_type() == at::kHalf) {
+    err = qops::silu_and_mul_quant<__half>(
+        static_cast<const __half*>(input.data_ptr()), stride, out.data_ptr<int8_t>(),
+        scales.data_ptr<float>(), s_in, rows, I, c10::cuda::getCurrentCUDAStream(),
+        fq_glue::tuning());
+  } else {
+    err = qops::silu_and_mul_quant<__nv_bfloat16>(
+        static_cast<const __nv_bfloat16*>(input.data_ptr()), stride, out.data_ptr<int8_t>(),
+        scales.data_ptr<float>(), s_in, rows, I, c10::cuda::getCurrentCUDAStream(),
+        fq_glue::tuning());
+  }
+  QOPS_CHECK_VALUE(err != cudaErrorInvalidValue, op, "unsupported size: I = ", std::to_string(I),
+                   " (rows ", std::to_string(rows), ", row stride ", std::to_string(stride), ")");
+  check_launch(err, op);
+  return {out, scales};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(qops, CUDA, m) { m.impl("silu_and_mul_quant", &silu_and_mul_quant_cuda); }

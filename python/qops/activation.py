@@ -1,0 +1,77 @@
+"""SiLU-and-mul fused with int8 quantization: ``silu_and_mul_quant``.
+
+The reference below is the numerical contract (docs/ops.md, docs/norm_activation.md): the gated
+activation in float32, then symmetric int8 quantization through :mod:`qops.quantization`.
+"""
+from __future__ import annotations
+
+import torch
+
+from ._registry import HALF_DTYPES, check, check_dtype, fake, reference
+from .quantization import absmax_scale, quantize_int8
+
+
+def _check_args(op: str, input: torch.Tensor, scale) -> None:
+    check_dtype(input, HALF_DTYPES, op, "input")
+    check(input.dim() >= 1 and input.shape[-1] > 0 and input.shape[-1] % 2 == 0, op,
+          f"input's last dimension must be 2*I > 0 (gate then up), got shape {tuple(input.shape)}")
+    check(input.stride(-1) == 1, op, "input's last dimension must be contiguous (stride 1)")
+    if scale is not None:
+        check_dtype(scale, torch.float32, op, "scale")
+        check(scale.numel() == 1, op, f"scale must hold one element (a static per-tensor scale), "
+              f"got shape {tuple(scale.shape)}")
+        check(scale.device == input.device, op, f"scale must be on {input.device}, got {scale.device}")
+
+
+def _silu_and_mul_f32(x: torch.Tensor) -> torch.Tensor:
+    """``g / (1 + exp(-g)) * u`` in float32 with ``g, u = x[..., :I], x[..., I:]``."""
+    xf = x.float()
+    i = xf.shape[-1] // 2
+    g, u = xf[..., :i], xf[..., i:]
+    return g / (1.0 + torch.exp(-g)) * u
+
+
+@reference("silu_and_mul_quant")
+def _silu_and_mul_quant_ref(input: torch.Tensor, scale: torch.Tensor | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_args("silu_and_mul_quant", input, scale)
+    y = _silu_and_mul_f32(input)
+    if scale is None:
+        s = absmax_scale(y, -1)
+        return quantize_int8(y, s.unsqueeze(-1)).contiguous(), s
+    return quantize_int8(y, scale.reshape(()).float()).contiguous(), scale.reshape(1).clone()
+
+
+@fake("silu_and_mul_quant")
+def _silu_and_mul_quant_fake(input, scale=None):
+    out_shape = (*input.shape[:-1], input.shape[-1] // 2)
+    q = input.new_empty(out_shape, dtype=torch.int8)
+    if scale is None:
+        return q, input.new_empty(input.shape[:-1], dtype=torch.float32)
+    return q, input.new_empty((1,), dtype=torch.float32)
+
+
+def silu_and_mul_quant(input: torch.Tensor, scale: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """SiLU-and-mul (the gated MLP activation) followed by symmetric int8 quantization.
+
+    With ``g, u = input.float()[..., :I], input.float()[..., I:]``:
+    ``y = g / (1 + torch.exp(-g)) * u`` (float32), then
+
+    - static (``scale`` given): ``out = (y / scale).round().clamp(-128, 127).to(torch.int8)``, and
+      the second output is a fresh float32 ``[1]`` copy of ``scale``;
+    - dynamic (``scale=None``): ``s = clamp(y.abs().amax(-1) / 127, min=1e-10)``,
+      ``out = (y / s[..., None]).round().clamp(-128, 127).to(torch.int8)``.
+
+    Rounding is half to even with an IEEE float32 division; NaN quantizes to 0 (docs/ops.md).
+
+    Args:
+        input: ``[..., 2*I]`` float16 or bfloat16 (gate then up, the fused gate_up projection's
+            output); the last dimension must be contiguous (on CUDA the leading dimensions may be
+            strided when they collapse into one row stride).
+        scale: optional float32 tensor with one element (static per-tensor scale, read on the
+            device).
+    Returns:
+        ``(out int8 [..., I] contiguous, scales float32 [...] (dynamic) or [1] (static))``.
+    """
+    return torch.ops.qops.silu_and_mul_quant(input, scale)

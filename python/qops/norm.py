@@ -1,0 +1,140 @@
+"""RMSNorm (+ residual add) fused with int8 quantization: ``rms_norm_quant`` and
+``fused_add_rms_norm_quant``.
+
+The references below are the numerical contract (docs/ops.md, docs/norm_activation.md): RMSNorm in
+float32, then symmetric int8 quantization through :mod:`qops.quantization`, either with a static
+per-tensor scale or with dynamic per-token scales.
+"""
+from __future__ import annotations
+
+import torch
+
+from ._registry import HALF_DTYPES, check, check_dtype, fake, reference
+from .quantization import absmax_scale, quantize_int8
+
+
+# ---- argument checks (shared by the references; the CUDA glue makes the same checks) ------------
+def _check_norm_args(op: str, input: torch.Tensor, weight: torch.Tensor, epsilon: float, scale) -> None:
+    check_dtype(input, HALF_DTYPES, op, "input")
+    check(input.dim() >= 1 and input.shape[-1] > 0, op,
+          f"input must have a non-empty last dimension, got shape {tuple(input.shape)}")
+    check(input.stride(-1) == 1, op, "input's last dimension must be contiguous (stride 1)")
+    H = input.shape[-1]
+    check_dtype(weight, input.dtype, op, "weight")
+    check(weight.dim() == 1 and weight.shape[0] == H, op,
+          f"weight must have shape [{H}] (the input's last dimension), got {tuple(weight.shape)}")
+    check(weight.device == input.device, op, f"weight must be on {input.device}, got {weight.device}")
+    check(float(epsilon) >= 0.0, op, f"epsilon must be >= 0, got {epsilon}")
+    if scale is not None:
+        check_dtype(scale, torch.float32, op, "scale")
+        check(scale.numel() == 1, op, f"scale must hold one element (a static per-tensor scale), "
+              f"got shape {tuple(scale.shape)}")
+        check(scale.device == input.device, op, f"scale must be on {input.device}, got {scale.device}")
+
+
+def _rms_norm_f32(x: torch.Tensor, weight: torch.Tensor, epsilon: float) -> torch.Tensor:
+    """``x * rsqrt(mean(x^2, -1) + eps) * w``, all in float32."""
+    xf = x.float()
+    var = xf.pow(2).mean(-1, keepdim=True)
+    return xf * torch.rsqrt(var + epsilon) * weight.float()
+
+
+def _quantize(y: torch.Tensor, scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Static (``scale`` given: returns a fresh [1] copy of it) or dynamic per-token int8."""
+    if scale is None:
+        s = absmax_scale(y, -1)
+        return quantize_int8(y, s.unsqueeze(-1)).contiguous(), s
+    s = scale.reshape(()).float()
+    return quantize_int8(y, s).contiguous(), scale.reshape(1).clone()
+
+
+# ---- rms_norm_quant ------------------------------------------------------------------------------
+@reference("rms_norm_quant")
+def _rms_norm_quant_ref(input: torch.Tensor, weight: torch.Tensor, epsilon: float,
+                        scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_norm_args("rms_norm_quant", input, weight, epsilon, scale)
+    return _quantize(_rms_norm_f32(input, weight, epsilon), scale)
+
+
+def _norm_fake(input, scale):
+    q = torch.empty_like(input, dtype=torch.int8, memory_format=torch.contiguous_format)
+    if scale is None:
+        return q, input.new_empty(input.shape[:-1], dtype=torch.float32)
+    return q, input.new_empty((1,), dtype=torch.float32)
+
+
+@fake("rms_norm_quant")
+def _rms_norm_quant_fake(input, weight, epsilon, scale=None):
+    return _norm_fake(input, scale)
+
+
+def rms_norm_quant(input: torch.Tensor, weight: torch.Tensor, epsilon: float,
+                   scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm followed by symmetric int8 quantization.
+
+    ``y = input.float() * torch.rsqrt(input.float().pow(2).mean(-1, keepdim=True) + epsilon)
+    * weight.float()``, then
+
+    - static (``scale`` given): ``out = (y / scale).round().clamp(-128, 127).to(torch.int8)`` and
+      the second output is a fresh float32 ``[1]`` copy of ``scale``;
+    - dynamic (``scale=None``): ``s = clamp(y.abs().amax(-1) / 127, min=1e-10)``,
+      ``out = (y / s[..., None]).round().clamp(-128, 127).to(torch.int8)``.
+
+    Rounding is half to even with an IEEE float32 division; NaN quantizes to 0 (docs/ops.md).
+
+    Args:
+        input: ``[..., H]`` float16 or bfloat16; the last dimension must be contiguous (on CUDA the
+            leading dimensions may be strided when they collapse into one row stride).
+        weight: ``[H]``, the same dtype as ``input``.
+        epsilon: added to the mean square before the reciprocal square root.
+        scale: optional float32 tensor with one element (a static per-tensor scale, read on the
+            device: no host synchronization, CUDA-graph safe).
+    Returns:
+        ``(out int8 [..., H] contiguous, scales float32 [...] (dynamic) or [1] (static))``.
+    """
+    return torch.ops.qops.rms_norm_quant(input, weight, epsilon, scale)
+
+
+# ---- fused_add_rms_norm_quant --------------------------------------------------------------------
+@reference("fused_add_rms_norm_quant")
+def _fused_add_rms_norm_quant_ref(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                  epsilon: float, scale: torch.Tensor | None = None
+                                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    op = "fused_add_rms_norm_quant"
+    _check_norm_args(op, input, weight, epsilon, scale)
+    check_dtype(residual, input.dtype, op, "residual")
+    check(residual.shape == input.shape, op,
+          f"residual must have the input's shape {tuple(input.shape)}, got {tuple(residual.shape)}")
+    check(residual.device == input.device, op, f"residual must be on {input.device}, got {residual.device}")
+    check(residual.stride(-1) == 1, op, "residual's last dimension must be contiguous (stride 1)")
+    # The sum is formed in float32 and rounded once to the input dtype (what the kernel does, and
+    # what PyTorch's half addition does); the norm then reads the rounded residual.
+    new_res = (input.float() + residual.float()).to(input.dtype)
+    residual.copy_(new_res)
+    return _quantize(_rms_norm_f32(new_res, weight, epsilon), scale)
+
+
+@fake("fused_add_rms_norm_quant")
+def _fused_add_rms_norm_quant_fake(input, residual, weight, epsilon, scale=None):
+    return _norm_fake(input, scale)
+
+
+def fused_add_rms_norm_quant(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                             epsilon: float, scale: torch.Tensor | None = None
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual add (in place), RMSNorm, then symmetric int8 quantization.
+
+    ``residual.copy_((input.float() + residual.float()).to(input.dtype))`` (the next layer reads
+    the updated residual), then exactly ``rms_norm_quant(residual, weight, epsilon, scale)`` on the
+    rounded residual.
+
+    Args:
+        input: ``[..., H]`` float16 or bfloat16, last dimension contiguous.
+        residual: same shape and dtype as ``input``, last dimension contiguous; updated in place.
+        weight: ``[H]``, the input's dtype.
+        epsilon: RMSNorm epsilon.
+        scale: optional float32 one-element static scale (see :func:`rms_norm_quant`).
+    Returns:
+        ``(out int8 [..., H] contiguous, scales float32 [...] (dynamic) or [1] (static))``.
+    """
+    return torch.ops.qops.fused_add_rms_norm_quant(input, residual, weight, epsilon, scale)
