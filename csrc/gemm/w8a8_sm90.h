@@ -1,0 +1,53 @@
+// int8 x int8 -> fp16/bf16 GEMM with a dequantizing epilogue, Hopper (sm_90a) only. Torch-free.
+//
+//   d[m, n] = out_dtype( (float(acc[m, n]) * a_scale[m or 0]) * b_scale[n or 0] + float(bias[n]) )
+//   acc[m, n] = sum_k int32(a[m, k]) * int32(b[n, k])          (exact int32 accumulation)
+//
+// The kernels and this API's implementation are generated at build time by
+// cutlass_kernels/gen_w8a8.py from the table in cutlass_kernels/w8a8_configs.py (CUTLASS Python
+// interface, one kernel per tile config x output dtype x scale mode; docs/w8a8_gemm.md).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace qops {
+namespace w8a8_sm90 {
+
+enum class OutDtype : int { kFloat16 = 0, kBFloat16 = 1 };
+
+// kPerTensor: a_scale and b_scale each hold one float (read on the device).
+// kPerTokenPerChannel: a_scale holds m floats (one per row), b_scale n floats (one per column).
+enum class ScaleMode : int { kPerTensor = 0, kPerTokenPerChannel = 1 };
+
+struct Problem {
+  const int8_t* a;       // [m, k], row r at a + r * lda; 16-byte aligned, lda % 16 == 0
+  int64_t lda;
+  const int8_t* b;       // [n, k] (K-major, the nn.Linear weight), row stride ldb; as a
+  int64_t ldb;
+  const float* a_scale;  // see ScaleMode; 16-byte aligned
+  const float* b_scale;
+  const void* bias;      // [n] in the output dtype, or nullptr (no bias)
+  void* d;               // [m, n], row stride ldd; 16-byte aligned, ldd % 8 == 0
+  int64_t ldd;
+  int m, n, k;           // k % 16 == 0, n % 8 == 0
+  OutDtype out_dtype;
+  ScaleMode scale_mode;
+};
+
+// The generated tile configs, by name (the names of w8a8_configs.CONFIGS, in table order).
+int num_configs();
+const char* config_name(int config);
+
+// The config the table's SELECTION rules pick for a problem (w8a8_configs.select_config).
+int select_config(int m, int n, int k);
+
+// Runs the GEMM on `stream` with tile config `config` (-1: select_config). No allocation, no host
+// synchronization (CUDA-graph safe). cudaErrorNoKernelImageForDevice on a device other than
+// sm_90; cudaErrorInvalidValue when the config index is out of range or CUTLASS cannot implement
+// the problem (alignment); launch errors otherwise.
+cudaError_t gemm(const Problem& problem, int config, cudaStream_t stream);
+
+}  // namespace w8a8_sm90
+}  // namespace qops

@@ -1,0 +1,355 @@
+#!/usr/bin/env python3
+"""Generate the w8a8 int8 GEMMs (Hopper, sm_90a) with the CUTLASS Python interface.
+
+For every tile config of ``w8a8_configs.CONFIGS`` x output dtype x scale mode, this traces the
+dequantizing epilogue ``D = accum * a_scale * b_scale + bias`` into a CUTLASS epilogue visitor tree
+(EVT), emits the kernel with ``cutlass_cppgen`` and wraps it in a torch-free launcher (one ``.cu``
+each). It then writes ``w8a8_dispatch.cu``, which implements ``csrc/gemm/w8a8_sm90.h``: the config
+names, the table's selection rules and the (config, dtype, mode) -> kernel table.
+
+    gen_w8a8.py --out DIR [--nvcc-version 13.0]
+
+prints the generated files, one per line (CMake reads that list). It needs no GPU, its output
+depends only on its inputs, and it rewrites a file only when the content changes, so a rebuild
+recompiles only the kernels whose source changed.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import w8a8_configs as table
+from cutlass_env import TARGET_CC, cutlass_cppgen_for_sm90
+
+# Example extents for tracing; the emitted code does not depend on them.
+_M, _N = 512, 512
+
+
+def _epilogue(accum, a_scale, b_scale, bias):
+    # Traced by cutlass_cppgen: float32 math in this order, rounded once to the output dtype. The
+    # names become the EVT node names (AScale, BScale, Bias) that _evt_arguments fills in.
+    D = accum * a_scale * b_scale + bias
+    return D
+
+
+def _trace(cutlass, out_dtype, scale_mode):
+    from cutlass_cppgen import DataType, LayoutType
+
+    def t(element, shape):
+        return cutlass.Tensor(element=element, shape=shape, layout_tag=LayoutType.RowMajor)
+
+    scale_shapes = {"tensor": ((1, 1), (1, 1)), "token_channel": ((_M, 1), (1, _N))}[scale_mode]
+    examples = {
+        "accum": t(DataType.f32, (_M, _N)),
+        "a_scale": t(DataType.f32, scale_shapes[0]),
+        "b_scale": t(DataType.f32, scale_shapes[1]),
+        "bias": t(out_dtype, (1, _N)),
+        "D": t(out_dtype, (_M, _N)),
+    }
+    return cutlass.epilogue.trace(_epilogue, examples, cc=TARGET_CC)
+
+
+_SCHEDULES = {  # name -> (kernel schedule, epilogue schedule); EVT needs a TMA epilogue
+    "ws": ("TmaWarpSpecialized", "TmaWarpSpecialized"),
+    "pingpong": ("TmaWarpSpecializedPingpong", "TmaWarpSpecialized"),
+    "cooperative": ("TmaWarpSpecializedCooperative", "TmaWarpSpecializedCooperative"),
+}
+
+_DTYPES = {  # torch name -> (DataType name, C++ element, API enum)
+    "float16": ("f16", "cutlass::half_t", "OutDtype::kFloat16"),
+    "bfloat16": ("bf16", "cutlass::bfloat16_t", "OutDtype::kBFloat16"),
+}
+_MODES = {"tensor": "ScaleMode::kPerTensor", "token_channel": "ScaleMode::kPerTokenPerChannel"}
+
+
+def _emit_kernel(cutlass, cfg: table.TileConfig, out_dtype: str, scale_mode: str) -> tuple[str, str]:
+    """The CUTLASS kernel definition (C++ type declarations) for one table entry, and its type name."""
+    from cutlass_cppgen import DataType, EpilogueScheduleType, KernelScheduleType, LayoutType, TileSchedulerType
+
+    element_d = getattr(DataType, _DTYPES[out_dtype][0])
+    plan = cutlass.op.Gemm(
+        element_A=DataType.s8, element_B=DataType.s8, element_C=DataType.void, element_D=element_d,
+        element_accumulator=DataType.s32,
+        layout_A=LayoutType.RowMajor, layout_B=LayoutType.ColumnMajor, layout_C=LayoutType.RowMajor,
+        cc=TARGET_CC, kernel_cc=TARGET_CC)
+    plan.epilogue_visitor = _trace(cutlass, element_d, scale_mode)
+    kernel_schedule, epilogue_schedule = _SCHEDULES[cfg.schedule]
+    # For SM90, cutlass_cppgen's threadblock_shape is the cluster's tile: it emits
+    # threadblock_shape / cluster_shape as the CTA tile.
+    td = plan.tile_descriptions()[0].clone_and_update({
+        "threadblock_shape": [c * k for c, k in zip(cfg.cta, cfg.cluster)],
+        "cluster_shape": list(cfg.cluster),
+        "stages": None,  # as many as fit beside the epilogue's shared memory
+        "kernel_schedule": getattr(KernelScheduleType, kernel_schedule),
+        "epilogue_schedule": getattr(EpilogueScheduleType, epilogue_schedule),
+        "tile_scheduler": TileSchedulerType.Default,
+    })
+    # The C/D alignment follows operand C's: ask for 16 bytes explicitly (8 fp16/bf16 elements).
+    operation = plan.construct(td, alignment_A=16, alignment_B=16, alignment_C=8)
+    source = operation.rt_module.emit()
+    m, n, k = cfg.cta
+    expect = (f"cute::Shape<cute::_{m}, cute::_{n}, cute::_{k}>",
+              "ElementD, StrideD, 8", f"cutlass::gemm::Kernel{kernel_schedule}")
+    for s in expect:
+        if s not in source:
+            raise RuntimeError(f"{cfg.name}: emitted kernel lacks `{s}` (cutlass_cppgen changed?)")
+    return source, operation.procedural_name()
+
+
+_LEAVES = {"Sm90AccFetch", "Sm90ScalarBroadcast", "Sm90RowBroadcast", "Sm90ColBroadcast"}
+
+
+def _evt_arguments(source: str, bias_type: str) -> str:
+    """The C++ initializer of the emitted EVT's arguments, derived from the emitted tree.
+
+    An ``Sm90EVT<Op, Children...>`` takes ``{children..., op}``; leaves are filled from the
+    launcher's ``Problem p`` by their traced names.
+    """
+    nodes = {}
+    for name, body in re.findall(r"using (\w+) = cutlass::epilogue::fusion::Sm90EVT<([^;]*)>;", source):
+        _op, *children = [s.strip() for s in body.split(",")]
+        nodes[name] = ("evt", children)
+    for name, kind in re.findall(r"using (\w+) = cutlass::epilogue::fusion::(Sm90\w+)", source):
+        if kind in _LEAVES:
+            nodes[name] = (kind, [])
+        elif kind == "Sm90Compute":
+            nodes[name] = ("compute", [])
+    pointers = {"AScale": "p.a_scale", "BScale": "p.b_scale",
+                "Bias": f"static_cast<{bias_type} const*>(p.bias)"}
+
+    def init(name: str) -> str:
+        kind, children = nodes[name]
+        if kind == "evt":
+            return "{" + ", ".join([init(c) for c in children] + ["{}"]) + "}"
+        if kind in ("compute", "Sm90AccFetch"):
+            return "{}"
+        if kind == "Sm90ScalarBroadcast":  # {scalars[1], scalar_ptrs[1]}: read on the device
+            return "{{}, {" + pointers[name] + "}}"
+        return "{" + pointers[name] + "}"  # row / column broadcast: {ptr} (nullptr reads zeros)
+
+    roots = {n for n, (k, _) in nodes.items() if k == "evt"} - {
+        c for _, (k, ch) in nodes.items() if k == "evt" for c in ch}
+    if len(roots) != 1:
+        raise RuntimeError(f"cannot find the EVT root in the emitted epilogue: {sorted(roots)}")
+    leaves = sorted(n for n, (k, _) in nodes.items() if k in _LEAVES and k != "Sm90AccFetch")
+    if leaves != sorted(pointers):
+        raise RuntimeError(f"unexpected EVT inputs {leaves}")
+    return init(roots.pop())
+
+
+_KERNEL_TEMPLATE = """\
+// Generated by cutlass_kernels/gen_w8a8.py from cutlass_kernels/w8a8_configs.py: do not edit.
+// w8a8 GEMM, tile config {config}, output {out_dtype}, scales {scale_mode}.
+#include <cuda_runtime_api.h>
+
+{includes}
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/util/packed_stride.hpp"
+
+#include "gemm/w8a8_sm90.h"
+
+namespace {namespace} {{
+// ---- emitted by the CUTLASS Python interface (cutlass_cppgen) ----------------------------------
+{kernel}
+// ------------------------------------------------------------------------------------------------
+using DeviceKernel = cutlass::gemm::device::GemmUniversalAdapter<{operation}_type>;
+}}  // namespace {namespace}
+
+namespace qops {{
+namespace w8a8_sm90 {{
+namespace kernels {{
+
+cudaError_t {function}(const Problem& p, int sm_count, cudaStream_t stream) {{
+  using namespace {namespace};
+  using GemmKernel = DeviceKernel::GemmKernel;
+  auto stride_a = cutlass::make_cute_packed_stride(GemmKernel::StrideA{{}}, cute::make_shape(p.m, p.k, 1));
+  auto stride_b = cutlass::make_cute_packed_stride(GemmKernel::StrideB{{}}, cute::make_shape(p.n, p.k, 1));
+  auto stride_d = cutlass::make_cute_packed_stride(StrideD{{}}, cute::make_shape(p.m, p.n, 1));
+  cute::get<0>(stride_a) = p.lda;
+  cute::get<0>(stride_b) = p.ldb;
+  cute::get<0>(stride_d) = p.ldd;
+  cutlass::KernelHardwareInfo hw_info;
+  hw_info.sm_count = sm_count;
+  typename DeviceKernel::Arguments args{{
+      cutlass::gemm::GemmUniversalMode::kGemm,
+      {{p.m, p.n, p.k, 1}},
+      {{p.a, stride_a, p.b, stride_b}},
+      {{{evt_arguments},
+       nullptr, stride_d, static_cast<ElementD*>(p.d), stride_d}},
+      hw_info}};
+  DeviceKernel gemm;
+  if (gemm.can_implement(args) != cutlass::Status::kSuccess) return cudaErrorInvalidValue;
+  if (DeviceKernel::get_workspace_size(args) != 0) return cudaErrorNotSupported;  // none planned
+  if (gemm.run(args, /*workspace=*/nullptr, stream) != cutlass::Status::kSuccess) {{
+    const cudaError_t err = cudaGetLastError();
+    return err != cudaSuccess ? err : cudaErrorLaunchFailure;
+  }}
+  return cudaSuccess;
+}}
+
+}}  // namespace kernels
+}}  // namespace w8a8_sm90
+}}  // namespace qops
+"""
+
+_DISPATCH_TEMPLATE = """\
+// Generated by cutlass_kernels/gen_w8a8.py from cutlass_kernels/w8a8_configs.py: do not edit.
+// Implements csrc/gemm/w8a8_sm90.h: the config names, the selection rules, the kernel table.
+#include <atomic>
+
+#include "gemm/w8a8_sm90.h"
+
+namespace qops {{
+namespace w8a8_sm90 {{
+namespace kernels {{
+{declarations}
+}}  // namespace kernels
+
+namespace {{
+
+using Launch = cudaError_t (*)(const Problem&, int, cudaStream_t);
+struct Entry {{
+  int config;
+  OutDtype out_dtype;
+  ScaleMode scale_mode;
+  Launch launch;
+}};
+
+constexpr const char* kConfigNames[] = {{
+{names}
+}};
+
+constexpr Entry kKernels[] = {{
+{entries}
+}};
+
+// The current device's SM count (the persistent kernels size their grid by it) and whether it
+// is sm_90, the only architecture these kernels are built for; queried once per device.
+struct Device {{
+  int sm_count;
+  bool is_sm90;
+}};
+
+cudaError_t current_device(Device* out) {{
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cache[kMaxDevices];  // sm_count * 2 + is_sm90, 0 = not queried
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  int packed = device < kMaxDevices ? cache[device].load(std::memory_order_relaxed) : 0;
+  if (packed == 0) {{
+    int sms = 0, major = 0, minor = 0;
+    if ((err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)) ||
+        (err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device)) ||
+        (err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device))) {{
+      return err;
+    }}
+    packed = sms * 2 + (major == 9 && minor == 0);
+    if (device < kMaxDevices) cache[device].store(packed, std::memory_order_relaxed);
+  }}
+  *out = Device{{packed / 2, (packed & 1) != 0}};
+  return cudaSuccess;
+}}
+
+}}  // namespace
+
+int num_configs() {{ return {num_configs}; }}
+
+const char* config_name(int config) {{
+  return config >= 0 && config < num_configs() ? kConfigNames[config] : nullptr;
+}}
+
+int select_config(int m, int n, int k) {{
+  (void)m; (void)n; (void)k;
+{selection}
+}}
+
+cudaError_t gemm(const Problem& p, int config, cudaStream_t stream) {{
+  if (config < 0) config = select_config(p.m, p.n, p.k);
+  for (const Entry& e : kKernels) {{
+    if (e.config == config && e.out_dtype == p.out_dtype && e.scale_mode == p.scale_mode) {{
+      Device device;
+      if (const cudaError_t err = current_device(&device)) return err;
+      if (!device.is_sm90) return cudaErrorNoKernelImageForDevice;
+      return e.launch(p, device.sm_count, stream);
+    }}
+  }}
+  return cudaErrorInvalidValue;
+}}
+
+}}  // namespace w8a8_sm90
+}}  // namespace qops
+"""
+
+
+def _selection_code() -> str:
+    index = {n: i for i, n in enumerate(table.config_names())}
+    lines = []
+    for max_m, max_n, name in table.SELECTION:
+        conds = ([f"m <= {max_m}"] if max_m is not None else []) + ([f"n <= {max_n}"] if max_n is not None else [])
+        ret = f"return {index[name]};  // {name}"
+        lines.append(f"  if ({' && '.join(conds)}) {ret}" if conds else f"  {ret}")
+    return "\n".join(lines)
+
+
+def generate(nvcc_version: str) -> dict[str, str]:
+    """File name -> content of every generated file."""
+    table.check_table()
+    cutlass = cutlass_cppgen_for_sm90(nvcc_version)
+    from cutlass_cppgen.backend.gemm_operation import EmitGemmUniversalInstance3x
+
+    includes = "\n".join(f'#include "{h}"' for h in EmitGemmUniversalInstance3x().includes)
+    files, declarations, entries = {}, [], []
+    for ci, cfg in enumerate(table.CONFIGS):
+        for out_dtype in table.OUT_DTYPES:
+            for scale_mode in table.SCALE_MODES:
+                tag = re.sub(r"\W", "_", f"{cfg.name}_{out_dtype}_{scale_mode}")
+                function = f"w8a8_{tag}"
+                kernel, operation = _emit_kernel(cutlass, cfg, out_dtype, scale_mode)
+                files[f"w8a8_{tag}.cu"] = _KERNEL_TEMPLATE.format(
+                    config=cfg.name, out_dtype=out_dtype, scale_mode=scale_mode,
+                    includes=includes, namespace=f"qops_gen_{function}", kernel=kernel.strip("\n"),
+                    operation=operation, function=function,
+                    evt_arguments=_evt_arguments(kernel, _DTYPES[out_dtype][1]))
+                declarations.append(f"cudaError_t {function}(const Problem&, int, cudaStream_t);")
+                entries.append(f"    {{{ci}, {_DTYPES[out_dtype][2]}, {_MODES[scale_mode]}, "
+                               f"&kernels::{function}}},")
+    files["w8a8_dispatch.cu"] = _DISPATCH_TEMPLATE.format(
+        declarations="\n".join(declarations),
+        names="\n".join(f'    "{n}",' for n in table.config_names()),
+        entries="\n".join(entries), num_configs=len(table.CONFIGS), selection=_selection_code())
+    return files
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="output folder (in the build tree)")
+    p.add_argument("--nvcc-version", default="13.0", help="CUDA version the kernels are built with")
+    args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    args.out = os.path.abspath(args.out)
+    os.chdir(args.out)  # importing cutlass_cppgen creates its compile cache (a sqlite file) in the cwd
+    files = generate(args.nvcc_version)
+    for name, text in sorted(files.items()):
+        path = os.path.join(args.out, name)
+        try:
+            with open(path) as f:
+                unchanged = f.read() == text
+        except OSError:
+            unchanged = False
+        if not unchanged:
+            with open(path, "w") as f:
+                f.write(text)
+    stale = [n for n in os.listdir(args.out) if n.startswith("w8a8_") and n.endswith(".cu") and n not in files]
+    for name in stale:  # a config removed from the table
+        os.remove(os.path.join(args.out, name))
+    for name in sorted(files):
+        print(os.path.join(args.out, name))
+
+
+if __name__ == "__main__":
+    main()

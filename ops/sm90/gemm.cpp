@@ -1,0 +1,136 @@
+// CUDA implementation of qops::w8a8_gemm on Hopper (sm_90a): argument checks, output allocation,
+// stream and device guard, then the generated CUTLASS kernels behind csrc/gemm/w8a8_sm90.h
+// (cutlass_kernels/gen_w8a8.py). No kernel math here; docs/w8a8_gemm.md has the design.
+#include <string>
+
+#include "common.h"
+#include "gemm/w8a8_sm90.h"
+
+namespace {
+
+using namespace qops_glue;
+namespace w8a8 = qops::w8a8_sm90;
+
+constexpr const char* kOp = "w8a8_gemm";
+// The int32 accumulator cannot overflow: |a * b| <= 128 * 128 and K * 2^14 < 2^31.
+constexpr int64_t kMaxK = 131071;
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// Python's name of a dtype ("int8", "float32"), as the reference's messages say it.
+std::string dtype_name(at::ScalarType t) { return std::string(c10::getDtypeNames(t).first); }
+
+void check_dtype_is(const at::Tensor& t, at::ScalarType want, const char* name) {
+  QOPS_CHECK_TYPE(t.scalar_type() == want, kOp, name, " must be ", dtype_name(want), ", got ",
+                  dtype_name(t.scalar_type()));
+}
+
+// An int8 [rows, K] operand the kernels read with TMA: unit stride along K, a row stride and a
+// base address that are multiples of 16 bytes (slices of a wider row-major tensor qualify).
+void check_operand(const at::Tensor& t, const char* name, const char* shape) {
+  check_dtype_is(t, at::kChar, name);
+  QOPS_CHECK_VALUE(t.dim() == 2, kOp, name, " must be 2-D ", shape, ", got shape ", t.sizes());
+  if (t.numel() == 0) return;  // nothing is read
+  QOPS_CHECK_VALUE(t.size(1) <= 1 || t.stride(1) == 1, kOp, name,
+                   " must be row-major (stride 1 along K), got strides ", t.strides());
+  QOPS_CHECK_VALUE(t.size(0) <= 1 || (t.stride(0) >= t.size(1) && t.stride(0) % 16 == 0), kOp,
+                   name, "'s rows must not overlap and their stride must be a multiple of 16 "
+                   "elements, got shape ", t.sizes(), " and strides ", t.strides());
+  QOPS_CHECK_VALUE(aligned16(t.data_ptr()), kOp, name,
+                   " must start at a 16-byte aligned address (slice a wider tensor at a "
+                   "multiple of 16 columns, or pass a contiguous copy)");
+}
+
+// A float32 scale with one element or `len`, flattened; copied when it is not contiguous or not
+// 16-byte aligned (the kernels read vectors of scales).
+at::Tensor checked_scale(const at::Tensor& s, int64_t len, const at::Tensor& a, const char* name,
+                         const char* len_name) {
+  check_same_device(s, a, kOp, name);
+  check_dtype_is(s, at::kFloat, name);
+  QOPS_CHECK_VALUE(s.numel() == 1 || s.numel() == len, kOp, name, " must hold 1 or ", len_name,
+                   " = ", len, " elements, got shape ", s.sizes());
+  at::Tensor flat = s.reshape({s.numel()});
+  if (!flat.is_contiguous() || !aligned16(flat.data_ptr())) flat = flat.clone();
+  return flat;
+}
+
+int config_index(c10::string_view config) {
+  if (config == "auto") return -1;
+  std::string names;
+  for (int i = 0; i < w8a8::num_configs(); ++i) {
+    if (config == w8a8::config_name(i)) return i;
+    names += std::string(i ? ", " : "") + w8a8::config_name(i);
+  }
+  QOPS_CHECK_VALUE(false, kOp, "unknown config '", std::string(config), "'; this build has: auto, ",
+                   names);
+  return -1;
+}
+
+at::Tensor w8a8_gemm_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_scale,
+                          const at::Tensor& b_scale, at::ScalarType out_dtype,
+                          const std::optional<at::Tensor>& bias, c10::string_view config) {
+  check_cuda(a, kOp, "a");
+  check_same_device(b, a, kOp, "b");
+  check_operand(a, "a", "[M, K]");
+  check_operand(b, "b", "[N, K]");
+  const int64_t M = a.size(0), K = a.size(1), N = b.size(0);
+  QOPS_CHECK_VALUE(b.size(1) == K, kOp, "b must be [N, K] with K = ", K,
+                   " (the nn.Linear weight layout), got shape ", b.sizes());
+  QOPS_CHECK_VALUE(K % 16 == 0 && N % 16 == 0, kOp, "K and N must be multiples of 16, got K = ",
+                   K, ", N = ", N);
+  QOPS_CHECK_VALUE(K <= kMaxK, kOp, "K must be at most ", kMaxK,
+                   " (beyond it the int32 accumulator can overflow), got ", K);
+  QOPS_CHECK_VALUE(M <= INT32_MAX, kOp, "M must fit in int32, got ", M);
+  QOPS_CHECK_TYPE(out_dtype == at::kHalf || out_dtype == at::kBFloat16, kOp,
+                  "out_dtype must be float16 or bfloat16, got ", dtype_name(out_dtype));
+  at::Tensor sa = checked_scale(a_scale, M, a, "a_scale", "M");
+  at::Tensor sb = checked_scale(b_scale, N, a, "b_scale", "N");
+  if (bias.has_value()) {
+    check_same_device(*bias, a, kOp, "bias");
+    QOPS_CHECK_TYPE(bias->scalar_type() == out_dtype, kOp, "bias must have the output dtype ",
+                    dtype_name(out_dtype), ", got ", dtype_name(bias->scalar_type()));
+    QOPS_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == N, kOp, "bias must be [N] = [", N,
+                     "], got shape ", bias->sizes());
+    check_contiguous(*bias, kOp, "bias");
+  }
+  const int cfg = config_index(config);
+
+  const c10::cuda::CUDAGuard guard(a.device());
+  at::Tensor d = at::empty({M, N}, a.options().dtype(out_dtype));
+  if (M == 0 || N == 0) return d;
+  if (K == 0) {  // acc = 0: d = bias (or 0), no kernel needed
+    return bias.has_value() ? d.copy_(bias->expand({M, N})) : d.zero_();
+  }
+  // Per-tensor x per-tensor is its own epilogue; any per-token or per-channel scale runs the
+  // per-token x per-channel kernels, with the other scale broadcast to a vector first.
+  const bool per_tensor = sa.numel() == 1 && sb.numel() == 1;
+  if (!per_tensor) {
+    if (sa.numel() != M) sa = sa.expand({M}).contiguous();
+    if (sb.numel() != N) sb = sb.expand({N}).contiguous();
+  }
+  w8a8::Problem p{};
+  p.a = a.data_ptr<int8_t>();
+  p.lda = M > 1 ? a.stride(0) : K;
+  p.b = b.data_ptr<int8_t>();
+  p.ldb = N > 1 ? b.stride(0) : K;
+  p.a_scale = sa.data_ptr<float>();
+  p.b_scale = sb.data_ptr<float>();
+  p.bias = bias.has_value() ? bias->data_ptr() : nullptr;
+  p.d = d.data_ptr();
+  p.ldd = N;
+  p.m = static_cast<int>(M);
+  p.n = static_cast<int>(N);
+  p.k = static_cast<int>(K);
+  p.out_dtype = out_dtype == at::kHalf ? w8a8::OutDtype::kFloat16 : w8a8::OutDtype::kBFloat16;
+  p.scale_mode = per_tensor ? w8a8::ScaleMode::kPerTensor : w8a8::ScaleMode::kPerTokenPerChannel;
+  const cudaError_t err = w8a8::gemm(p, cfg, current_stream());
+  TORCH_CHECK_NOT_IMPLEMENTED(err != cudaErrorNoKernelImageForDevice,
+                              format_message("qops.", kOp, ": the CUDA kernels are built for sm_90a "
+                                             "(Hopper) only; ", a.device(), " is another architecture"));
+  check_launch(err, kOp);
+  return d;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(qops, CUDA, m) { m.impl("w8a8_gemm", &w8a8_gemm_cuda); }

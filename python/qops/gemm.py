@@ -1,0 +1,89 @@
+"""int8 x int8 GEMM with a dequantizing epilogue: ``w8a8_gemm``.
+
+The CUDA kernels (Hopper, sm_90a) are CUTLASS GEMMs generated at build time through the CUTLASS
+Python interface (``cutlass_kernels/``); ``docs/w8a8_gemm.md`` describes them.
+"""
+from __future__ import annotations
+
+import torch
+
+from ._registry import HALF_DTYPES, check, check_dtype, fake, reference
+
+_OP = "w8a8_gemm"
+# |a * b| <= 128 * 128, so K * 2^14 < 2^31 keeps the int32 accumulator exact.
+MAX_K = 131071
+
+
+def _name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _check_args(a, b, a_scale, b_scale, out_dtype, bias) -> None:
+    check_dtype(a, torch.int8, _OP, "a")
+    check_dtype(b, torch.int8, _OP, "b")
+    check(a.dim() == 2, _OP, f"a must be 2-D [M, K], got shape {tuple(a.shape)}")
+    check(b.dim() == 2, _OP, f"b must be 2-D [N, K], got shape {tuple(b.shape)}")
+    (m, k), n = a.shape, b.shape[0]
+    check(b.shape[1] == k, _OP, f"b must be [N, K] with K = {k} (the nn.Linear weight layout), got shape {tuple(b.shape)}")
+    check(k % 16 == 0 and n % 16 == 0, _OP, f"K and N must be multiples of 16, got K = {k}, N = {n}")
+    check(k <= MAX_K, _OP, f"K must be at most {MAX_K} (beyond it the int32 accumulator can overflow), got {k}")
+    check(out_dtype in HALF_DTYPES, _OP, f"out_dtype must be float16 or bfloat16, got {_name(out_dtype)}", TypeError)
+    for name, s, length, length_name in (("a_scale", a_scale, m, "M"), ("b_scale", b_scale, n, "N")):
+        check_dtype(s, torch.float32, _OP, name)
+        check(s.numel() in (1, length), _OP, f"{name} must hold 1 or {length_name} = {length} elements, got shape {tuple(s.shape)}")
+    if bias is not None:
+        check(bias.dtype == out_dtype, _OP, f"bias must have the output dtype {_name(out_dtype)}, got {_name(bias.dtype)}", TypeError)
+        check(tuple(bias.shape) == (n,), _OP, f"bias must be [N] = [{n}], got shape {tuple(bias.shape)}")
+
+
+@reference(_OP)
+def _w8a8_gemm_ref(a, b, a_scale, b_scale, out_dtype, bias=None, *, config="auto"):
+    _check_args(a, b, a_scale, b_scale, out_dtype, bias)
+    # acc = a.int32 @ b.int32.T, computed in float64: every partial sum is an integer below
+    # 2^31 < 2^53, so this is exact; .float() then rounds to nearest as int32 -> float32 does.
+    acc = (a.double() @ b.double().T).float()
+    d = acc * a_scale.reshape(-1, 1) * b_scale.reshape(1, -1)
+    if bias is not None:
+        d = d + bias.float()
+    return d.to(out_dtype)
+
+
+@fake(_OP)
+def _w8a8_gemm_fake(a, b, a_scale, b_scale, out_dtype, bias=None, *, config="auto"):
+    _check_args(a, b, a_scale, b_scale, out_dtype, bias)
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+
+
+def w8a8_gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_scale: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None = None,
+    *,
+    config: str = "auto",
+) -> torch.Tensor:
+    """int8 GEMM with a dequantizing epilogue (W8A8 linear layer).
+
+    ``acc = a.int() @ b.int().T`` (exact int32 accumulation), then in float32
+    ``out = (acc.float() * a_scale.reshape(-1, 1) * b_scale.reshape(1, -1) + bias.float()).to(out_dtype)``.
+
+    Args:
+        a: int8 ``[M, K]`` activations, row-major (a row slice of a wider tensor is accepted on
+            CUDA when its row stride and start are multiples of 16 bytes).
+        b: int8 ``[N, K]`` weights, K-major: the ``nn.Linear`` weight layout.
+        a_scale: float32 ``[1]`` (per-tensor) or ``[M]`` (per-token) activation scales.
+        b_scale: float32 ``[1]`` (per-tensor) or ``[N]`` (per-channel) weight scales.
+        out_dtype: ``torch.float16`` or ``torch.bfloat16``.
+        bias: optional ``[N]`` in ``out_dtype``, added in float32 before the final rounding.
+        config: CUDA only, keyword-only performance knob: ``"auto"`` (the table's choice by
+            problem size) or the name of a tile config in ``cutlass_kernels/w8a8_configs.py``,
+            e.g. ``"128x128x128_c2x1x1_pingpong"``. The CPU reference ignores it.
+
+    K and N must be multiples of 16 and K at most 131071 (the int32 accumulator cannot
+    overflow). Returns ``[M, N]`` in ``out_dtype``. On CUDA this runs CUTLASS kernels for Hopper
+    (sm_90a); per-tensor x per-tensor scales and the per-token x per-channel case are separate
+    kernels, and a mixed pair (one ``[1]``, one vector) broadcasts the ``[1]`` scale first.
+    """
+    return torch.ops.qops.w8a8_gemm(a, b, a_scale, b_scale, out_dtype, bias, config=config)

@@ -1,0 +1,333 @@
+"""w8a8_gemm: the reference against float64 math, the kernel generator, then every generated CUDA
+kernel against the reference.
+
+The CUDA kernels do the reference's float32 operations in the same order, so they must agree
+within one rounding of the output dtype (a fused multiply-add may round once less); most elements
+are bit-identical, and the tests check that too.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+import qops
+from conftest import maybe_compile, poison_cuda_allocator
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "cutlass_kernels"))
+import w8a8_configs as table
+
+HALF = [torch.float16, torch.bfloat16]
+_MANT = {torch.float16: 10, torch.bfloat16: 7}
+_MIN_EXP = {torch.float16: -14, torch.bfloat16: -126}
+
+
+# ---- float64 re-derivation of the contract ------------------------------------------------------
+def ref64(a, b, a_scale, b_scale, bias=None):
+    """``(a @ b.T) * a_scale * b_scale + bias`` in float64, and the magnitude of its terms."""
+    prod = (a.double() @ b.double().T) * a_scale.double().reshape(-1, 1) * b_scale.double().reshape(1, -1)
+    if bias is None:
+        return prod, prod.abs()
+    return prod + bias.double(), prod.abs() + bias.double().abs()
+
+
+def assert_within_one_rounding(d, ref, scale, dtype):
+    """|d - ref| <= one ulp of ``dtype`` at ref, plus float32 rounding of the terms (``scale``)."""
+    assert d.dtype == dtype and d.shape == ref.shape
+    exp = torch.floor(torch.log2(ref.abs().clamp_min(2.0 ** _MIN_EXP[dtype])))
+    tol = torch.exp2(exp - _MANT[dtype]) + scale * 2.0**-22
+    err = (d.double() - ref).abs()
+    bad = ~(err <= tol)  # NaN fails
+    assert not bad.any(), (
+        f"{int(bad.sum())} of {d.numel()} elements off, first at {bad.nonzero()[0].tolist()}: "
+        f"got {d[tuple(bad.nonzero()[0])].item()}, expected {ref[tuple(bad.nonzero()[0])].item()}")
+
+
+def make_inputs(m, n, k, *, device="cpu", per_token=True, per_channel=True, bias=False, dtype=torch.float16):
+    a = torch.randint(-128, 128, (m, k), dtype=torch.int8, device=device)
+    b = torch.randint(-128, 128, (n, k), dtype=torch.int8, device=device)
+    # Scales as quantization produces them: amax / 127 of activations / weights of unit size.
+    sa = (torch.rand(m if per_token else 1, device=device) + 0.5) * (3.0 / 127)
+    sb = (torch.rand(n if per_channel else 1, device=device) + 0.5) * (0.05 / 127)
+    bz = (torch.randn(n, device=device) * 2).to(dtype) if bias else None
+    return a, b, sa, sb, bz
+
+
+# ---- the reference ------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("m,n,k", [(1, 16, 16), (3, 48, 32), (17, 208, 272), (130, 64, 1024)])
+@pytest.mark.parametrize("scales", ["tensor", "token_channel", "token_tensor", "tensor_channel"])
+def test_reference_matches_float64(m, n, k, scales, dtype):
+    a, b, sa, sb, bias = make_inputs(m, n, k, per_token=scales.startswith("token"),
+                                     per_channel=scales.endswith("channel"), bias=k > 100, dtype=dtype)
+    d = qops.w8a8_gemm(a, b, sa, sb, dtype, bias)
+    assert d.shape == (m, n) and d.dtype == dtype
+    assert_within_one_rounding(d, *ref64(a, b, sa, sb, bias), dtype)
+
+
+def test_reference_is_exact_in_int32_and_saturates_nothing():
+    # K * 128 * 128 just below 2^31: every product at the int8 extremes.
+    k = 131056
+    a = torch.full((2, k), -128, dtype=torch.int8)
+    b = torch.full((16, k), -128, dtype=torch.int8)
+    b[1] = 127
+    one = torch.ones(1)
+    d = qops.w8a8_gemm(a, b, one * 2.0**-20, one, torch.float16)
+    # acc = 16384 * k = 2^31 - 2^18 is exact in int32 and float32; * 2^-20 = 2047.75, which
+    # rounds to 2048 in fp16 (spacing 1 below 2048).
+    assert d[0, 0].item() == 2048.0
+    torch.testing.assert_close(d, ref64(a, b, one * 2.0**-20, one)[0].to(torch.float16), rtol=0, atol=0)
+
+
+def test_reference_zero_sizes_and_bias_only():
+    b = torch.randint(-128, 128, (32, 16), dtype=torch.int8)
+    assert qops.w8a8_gemm(torch.empty(0, 16, dtype=torch.int8), b, torch.ones(1), torch.ones(32), torch.bfloat16).shape == (0, 32)
+    bias = torch.randn(32).half()
+    d = qops.w8a8_gemm(torch.empty(3, 0, dtype=torch.int8), torch.empty(32, 0, dtype=torch.int8),
+                       torch.ones(3), torch.ones(32), torch.float16, bias)
+    assert torch.equal(d, bias.expand(3, 32))
+
+
+def _bad_calls(device):
+    a, b, sa, sb, _ = make_inputs(4, 32, 64, device=device)
+    h = torch.float16
+    return [
+        ((a.float(), b, sa, sb, h), TypeError, "a must be int8"),
+        ((a, b[:, :48], sa, sb, h), ValueError, "b must be \\[N, K\\] with K = 64"),
+        ((a[:, :56], b[:, :56], sa, sb, h), ValueError, "K and N must be multiples of 16"),
+        ((a, b[:24], sa, sb[:24], h), ValueError, "K and N must be multiples of 16"),
+        ((a, b, sa[:3], sb, h), ValueError, "a_scale must hold 1 or M = 4"),
+        ((a, b, sa, sb[:5], h), ValueError, "b_scale must hold 1 or N = 32"),
+        ((a, b, sa.double(), sb, h), TypeError, "a_scale must be float32"),
+        ((a, b, sa, sb, torch.float32), TypeError, "out_dtype must be float16 or bfloat16"),
+        ((a, b, sa, sb, h, torch.zeros(32, device=device, dtype=torch.bfloat16)), TypeError, "bias must have the output dtype"),
+        ((a, b, sa, sb, h, torch.zeros(16, device=device, dtype=h)), ValueError, "bias must be \\[N\\]"),
+        ((a[0], b, sa, sb, h), ValueError, "a must be 2-D"),
+    ]
+
+
+N_BAD_CALLS = len(_bad_calls("cpu"))
+
+
+@pytest.mark.parametrize("i", range(N_BAD_CALLS))
+def test_reference_errors_name_the_argument(i):
+    args, exc, msg = _bad_calls("cpu")[i]
+    with pytest.raises(exc, match=f"qops.w8a8_gemm: {msg}"):
+        qops.w8a8_gemm(*args)
+
+
+def test_opcheck_cpu():
+    a, b, sa, sb, bias = make_inputs(5, 48, 32, bias=True)
+    torch.library.opcheck(torch.ops.qops.w8a8_gemm.default, (a, b, sa, sb, torch.float16, bias))
+
+
+# ---- the kernel table and the generator (no GPU needed) -----------------------------------------
+def test_table_is_consistent():
+    table.check_table()
+    names = table.config_names()
+    for m in (1, 16, 17, 32, 33, 64, 128, 129, 4096, 100000):
+        for n in (16, 4096, 16384, 28672):
+            assert table.select_config(m, n, 4096) in names
+
+
+def _read(path):
+    with open(path) as f:
+        return f.read()
+
+
+def test_generator_is_deterministic_and_emits_the_table(tmp_path):
+    pytest.importorskip("cutlass_cppgen", reason="nvidia-cutlass is not installed")
+    import subprocess
+
+    gen = os.path.join(ROOT, "cutlass_kernels", "gen_w8a8.py")
+    outs = []
+    for d in ("one", "two"):
+        r = subprocess.run([sys.executable, gen, "--out", str(tmp_path / d)], capture_output=True, text=True, check=False)
+        assert r.returncode == 0, r.stderr
+        outs.append({os.path.basename(p): _read(p) for p in r.stdout.split()})
+    assert outs[0] == outs[1], "the generator is not deterministic"
+    files = outs[0]
+    assert len(files) == len(table.CONFIGS) * len(table.OUT_DTYPES) * len(table.SCALE_MODES) + 1
+    for cfg in table.CONFIGS:
+        m, n, k = cfg.cta
+        cm, cn, ck = cfg.cluster
+        for name, text in files.items():
+            if cfg.name in name:
+                # The emitted CTA tile and cluster are the table's (not the cluster's tile).
+                assert f"cute::Shape<cute::_{m}, cute::_{n}, cute::_{k}>" in text
+                assert f"cute::Shape<cute::_{cm},cute::_{cn},cute::_{ck}>" in text
+                assert "ElementD, StrideD, 8" in text  # 16-byte output alignment
+                scalar = "Sm90ScalarBroadcast" in text
+                assert scalar == name.endswith("_tensor.cu"), name
+    dispatch = files["w8a8_dispatch.cu"]
+    for name in table.config_names():
+        assert f'"{name}"' in dispatch
+    everything = "".join(files.values())
+    assert "#include <torch" not in everything and "ATen" not in everything  # torch-free kernels
+
+
+# ---- CUDA ---------------------------------------------------------------------------------------
+def _needs_kernel():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    if not qops.has_cuda_kernel("w8a8_gemm"):
+        pytest.skip("this build has no w8a8_gemm CUDA kernel (built without sm_90a)")
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the w8a8_gemm kernels are sm_90a (Hopper) only")
+
+
+def run_and_check(a, b, sa, sb, dtype, bias=None, **kw):
+    poison_cuda_allocator()
+    d = qops.w8a8_gemm(a, b, sa, sb, dtype, bias, **kw)
+    torch.cuda.synchronize()
+    ref = qops.gemm._w8a8_gemm_ref(a, b, sa, sb, dtype, bias)  # the contract, on the GPU
+    assert_within_one_rounding(d, *ref64(a, b, sa, sb, bias), dtype)
+    assert_within_one_rounding(d, ref.double(), ref64(a, b, sa, sb, bias)[1], dtype)
+    identical = (d == ref).double().mean().item()
+    assert identical >= 0.99, f"only {identical:.4f} of the elements equal the reference"
+    return d
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(133, 208, 272), (300, 1040, 4112)], ids=["small", "multi_k"])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("mode", table.SCALE_MODES)
+@pytest.mark.parametrize("dtype", HALF, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("config", table.config_names())
+def test_every_generated_kernel(config, dtype, mode, bias, shape):
+    _needs_kernel()
+    m, n, k = shape
+    per = mode == "token_channel"
+    a, b, sa, sb, bz = make_inputs(m, n, k, device="cuda", per_token=per, per_channel=per, bias=bias, dtype=dtype)
+    run_and_check(a, b, sa, sb, dtype, bz, config=config)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [
+    (1, 4096, 4096), (3, 576, 1536), (16, 28672, 4096), (17, 1536, 576), (64, 192, 576),
+    (129, 6144, 4096), (1025, 1024, 1024), (4097, 1040, 528),
+])
+def test_auto_selection_at_awkward_sizes(m, n, k):
+    _needs_kernel()
+    a, b, sa, sb, bias = make_inputs(m, n, k, device="cuda", bias=m % 2 == 1, dtype=torch.bfloat16)
+    run_and_check(a, b, sa, sb, torch.bfloat16, bias)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mixed", ["token_tensor", "tensor_channel", "column_vector"])
+def test_mixed_scale_shapes(mixed):
+    _needs_kernel()
+    m, n, k = 37, 96, 256
+    a, b, sa, sb, _ = make_inputs(m, n, k, device="cuda", per_token=mixed != "tensor_channel",
+                                  per_channel=mixed != "token_tensor")
+    if mixed == "column_vector":
+        sa, sb = sa[:, None], sb[None, :]  # [M, 1] and [1, N] are accepted and flattened
+    run_and_check(a, b, sa, sb, torch.float16)
+
+
+@pytest.mark.gpu
+def test_strided_operands_and_scales():
+    _needs_kernel()
+    m, n, k = 50, 64, 320
+    a_wide = torch.randint(-128, 128, (m, k + 48), dtype=torch.int8, device="cuda")
+    b_wide = torch.randint(-128, 128, (n, k + 16), dtype=torch.int8, device="cuda")
+    a, b = a_wide[:, 32:32 + k], b_wide[:, :k]  # row strides 368 and 336, 16-byte aligned starts
+    sa = torch.rand(2 * m, device="cuda")[::2] * 0.02  # non-contiguous: copied by the op
+    sb = torch.rand(n + 1, device="cuda")[1:] * 0.001  # contiguous, 4-byte offset: copied too
+    d = run_and_check(a, b, sa, sb, torch.float16)
+    assert torch.equal(d, qops.w8a8_gemm(a.contiguous(), b.contiguous(), sa.contiguous(), sb.contiguous(), torch.float16))
+
+
+@pytest.mark.gpu
+def test_int8_extremes_accumulate_exactly():
+    _needs_kernel()
+    k = 131056
+    a = torch.full((16, k), -128, dtype=torch.int8, device="cuda")
+    b = torch.full((32, k), -128, dtype=torch.int8, device="cuda")
+    b[1::2] = 127
+    a[1::2, ::2] = 127
+    sa = torch.full((16,), 2.0**-20, device="cuda")
+    sb = torch.ones(32, device="cuda")
+    run_and_check(a, b, sa, sb, torch.float16)
+
+
+@pytest.mark.gpu
+def test_zero_sizes_and_zero_k_on_cuda():
+    _needs_kernel()
+    b = torch.randint(-128, 128, (32, 16), dtype=torch.int8, device="cuda")
+    d = qops.w8a8_gemm(torch.empty(0, 16, dtype=torch.int8, device="cuda"), b, torch.ones(1, device="cuda"),
+                       torch.ones(32, device="cuda"), torch.float16)
+    assert d.shape == (0, 32) and d.is_cuda
+    bias = torch.randn(32, device="cuda").half()
+    poison_cuda_allocator()
+    d = qops.w8a8_gemm(torch.empty(3, 0, dtype=torch.int8, device="cuda"), torch.empty(32, 0, dtype=torch.int8, device="cuda"),
+                       torch.ones(3, device="cuda"), torch.ones(32, device="cuda"), torch.float16, bias)
+    assert torch.equal(d, bias.expand(3, 32))
+
+
+@pytest.mark.gpu
+def test_inputs_unchanged_and_cuda_graph_replay():
+    _needs_kernel()
+    a, b, sa, sb, bias = make_inputs(17, 4096, 4096, device="cuda", bias=True, dtype=torch.bfloat16)
+    saved = [t.clone() for t in (a, b, sa, sb, bias)]
+    fn = maybe_compile(lambda a, b, sa, sb, bias: qops.w8a8_gemm(a, b, sa, sb, torch.bfloat16, bias))
+    expect = fn(a, b, sa, sb, bias)
+    for t, s in zip((a, b, sa, sb, bias), saved):
+        assert torch.equal(t, s)
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn(a, b, sa, sb, bias)
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(g):
+        out = qops.w8a8_gemm(a, b, sa, sb, torch.bfloat16, bias)
+    a.copy_(torch.randint(-128, 128, a.shape, dtype=torch.int8, device="cuda"))
+    sa.mul_(2)  # scales are read on the device at replay time
+    g.replay()
+    torch.cuda.synchronize()
+    assert not torch.equal(out, expect)
+    run_and_check(a, b, sa, sb, torch.bfloat16, bias)
+    assert torch.equal(out, qops.w8a8_gemm(a, b, sa, sb, torch.bfloat16, bias))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("i", range(N_BAD_CALLS))
+def test_cuda_errors_name_the_argument(i):
+    _needs_kernel()
+    args, exc, msg = _bad_calls("cuda")[i]
+    with pytest.raises(exc, match=f"qops.w8a8_gemm: {msg}"):
+        qops.w8a8_gemm(*args)
+
+
+@pytest.mark.gpu
+def test_cuda_layout_and_config_errors():
+    _needs_kernel()
+    a, b, sa, sb, _ = make_inputs(4, 32, 64, device="cuda")
+    h = torch.float16
+    wide = torch.zeros(4, 80, dtype=torch.int8, device="cuda")
+    cases = [
+        ((wide[:, 1:65], b, sa, sb, h), {}, "a must start at a 16-byte aligned address"),
+        ((a.t().contiguous().t(), b, sa, sb, h), {}, "a must be row-major"),
+        ((a[:1].expand(4, 64), b, sa, sb, h), {}, "a's rows must not overlap"),
+        ((torch.zeros(4, 72, dtype=torch.int8, device="cuda")[:, :64], b, sa, sb, h), {},
+         "a's rows must not overlap and their stride must be a multiple of 16 elements, got shape \\[4, 64\\] and strides \\[72, 1\\]"),
+        ((a, b, sa, sb, h), {"config": "nope"}, "unknown config 'nope'; this build has: auto, " + table.config_names()[0]),
+        ((a.cpu(), b, sa, sb, h), {}, "a must be a CUDA tensor"),
+        ((a, b, sa.cpu(), sb, h), {}, "a_scale must be on cuda"),
+    ]
+    for args, kw, msg in cases:
+        with pytest.raises((ValueError, TypeError, RuntimeError), match=f"qops.w8a8_gemm: {msg}"):
+            qops.w8a8_gemm(*args, **kw)
+
+
+@pytest.mark.gpu
+def test_opcheck_cuda():
+    _needs_kernel()
+    a, b, sa, sb, bias = make_inputs(33, 128, 256, device="cuda", bias=True)
+    torch.library.opcheck(torch.ops.qops.w8a8_gemm.default, (a, b, sa, sb, torch.float16, bias))
+    torch.library.opcheck(torch.ops.qops.w8a8_gemm.default, (a, b, sa[:1], sb[:1], torch.float16),
+                          {"config": table.config_names()[-1]})
