@@ -75,5 +75,8 @@ for b in "${BENCHES[@]}"; do
   step "bench $b" "$name.log" python3 $b --out "$OUT" || rc_all=1
 done
 echo "==== summary"
+printf '%s\n' "${summary[@]}" | tee "$OUT/summary.txt"
+# The device tool returns at most 8 files: bundle the logs into one archive.
+(cd "$OUT" && tar czf logs.tgz --remove-files ./*.log ./*.txt 2>/dev/null) || true
 printf '%s\n' "${summary[@]}"
 exit $rc_all

@@ -1,0 +1,197 @@
+"""Benchmark: paged int8 KV decode attention (qops.paged_decode_attention_int8) vs SDPA on fp16/bf16 K/V.
+
+For each (model, B, T): the int8 paged decode (blocks shuffled over the cache, all sequences of
+length T) and, in the same run, torch SDPA on the same problem with contiguous bf16 K/V
+([B, H_kv, T, D], enable_gqa), each backend tried (cuDNN, flash, efficient), the fastest reported.
+Effective bandwidth counts the bytes the int8 kernel actually reads (int8 K and V, their scales,
+q, block tables) and writes (out); SDPA's counts its bf16 K/V. Times are medians of CUDA-graph
+replays over several input sets (L2 does not hold the previous call's cache).
+
+    python bench/bench_decode_attention.py [--out DIR] [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+import qops
+from qops.bench_utils import (bar_plot, bench_us, copy_bandwidth_gbps, gbps, l2_rotation_sets,
+                              print_table, write_csv)
+
+MODELS = {  # name: (HQ, HKV, D)
+    "llama3-8b-gqa": (32, 8, 128),
+    "llama2-7b-mha": (32, 32, 128),
+    "smollm2-135m": (9, 3, 64),
+}
+DTYPE = torch.bfloat16
+BLOCK = 16
+MEM_LIMIT = 56 << 30  # bytes of input sets alive at once (the int8 sets are freed before SDPA's)
+
+
+def int8_problem(B, HQ, HKV, D, lens, seed, block_size=BLOCK):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    nblk = [-(-L // block_size) for L in lens]
+    num_blocks = max(1, sum(nblk))
+    k_cache = torch.randint(-127, 128, (num_blocks, HKV, block_size, D), dtype=torch.int8,
+                            device="cuda", generator=g)
+    v_cache = torch.randint(-127, 128, k_cache.shape, dtype=torch.int8, device="cuda", generator=g)
+    k_scales = torch.rand(num_blocks, HKV, block_size, device="cuda", generator=g) * 0.02 + 1e-3
+    v_scales = torch.rand(num_blocks, HKV, block_size, device="cuda", generator=g) * 0.02 + 1e-3
+    perm = torch.randperm(num_blocks, device="cuda", generator=g).to(torch.int32)
+    max_blocks = max(nblk + [1])
+    bt = torch.zeros(B, max_blocks, dtype=torch.int32, device="cuda")
+    off = 0
+    for b, n in enumerate(nblk):
+        bt[b, :n] = perm[off:off + n]
+        off += n
+    q = torch.randn(B, HQ, D, device="cuda", dtype=DTYPE, generator=g)
+    sl = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    return q, k_cache, v_cache, k_scales, v_scales, bt, sl
+
+
+def int8_bytes(B, HQ, HKV, D, lens):
+    toks = sum(lens)
+    return (2 * toks * HKV * D + 2 * toks * HKV * 4 + 2 * B * HQ * D * 2 + B * 4
+            + sum(-(-L // BLOCK) for L in lens) * 4)
+
+
+def sdpa_backends():
+    from torch.nn.attention import SDPBackend
+    return [("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION),
+            ("efficient", SDPBackend.EFFICIENT_ATTENTION)]
+
+
+def bench_sdpa(B, HQ, HKV, D, T, n_sets):
+    """Fastest SDPA backend on bf16 K/V [B, HKV, T, D]; returns (us, backend name)."""
+    from torch.nn.attention import sdpa_kernel
+    sets = []
+    for i in range(n_sets):
+        q = torch.randn(B, HQ, 1, D, device="cuda", dtype=DTYPE)
+        k = torch.randn(B, HKV, T, D, device="cuda", dtype=DTYPE)
+        v = torch.randn(B, HKV, T, D, device="cuda", dtype=DTYPE)
+        sets.append((q, k, v))
+    best = (float("inf"), "none")
+    for name, backend in sdpa_backends():
+        def make(i, backend=backend):
+            q, k, v = sets[i]
+
+            def call():
+                with sdpa_kernel(backend):
+                    return F.scaled_dot_product_attention(q, k, v, enable_gqa=HQ != HKV)
+            return call
+        try:
+            us = bench_us(make, n_sets)
+        except Exception as e:  # backend does not support this problem
+            print(f"  sdpa {name}: unavailable ({type(e).__name__}: {str(e).splitlines()[0][:80]})")
+            continue
+        if us < best[0]:
+            best = (us, name)
+    del sets
+    torch.cuda.empty_cache()
+    return best
+
+
+def run_config(model, B, T, copy_bw, splits_sweep=False):
+    HQ, HKV, D = MODELS[model]
+    lens = [T] * B
+    set_bytes_i8 = 2 * B * HKV * T * D
+    set_bytes_16 = 2 * B * HKV * T * D * 2
+    n_i8 = l2_rotation_sets(set_bytes_i8)
+    n_16 = l2_rotation_sets(set_bytes_16)
+    n_i8 = max(1, min(n_i8, MEM_LIMIT // set_bytes_i8))
+    n_16 = max(1, min(n_16, MEM_LIMIT // set_bytes_16))
+    if set_bytes_16 > MEM_LIMIT:
+        print(f"skip {model} B={B} T={T}: {set_bytes_16 / 2**30:.0f} GiB of bf16 K/V")
+        return None, []
+    sets = [int8_problem(B, HQ, HKV, D, lens, seed=i) for i in range(n_i8)]
+    sm = D ** -0.5
+
+    def make(i, ns=0):
+        a = sets[i]
+        return lambda: qops.paged_decode_attention_int8(*a, sm, num_splits=ns)
+    us = bench_us(make, n_i8)
+    sweep = []
+    if splits_sweep:
+        for ns in (1, 2, 4, 8, 16, 32, 64, 128):
+            if ns * 16 > T:
+                break
+            sweep.append({"model": model, "B": B, "T": T, "num_splits": ns,
+                          "us": bench_us(lambda i, ns=ns: make(i, ns), n_i8)})
+    del sets
+    torch.cuda.empty_cache()
+    s_us, s_name = bench_sdpa(B, HQ, HKV, D, T, n_16)
+    nbytes = int8_bytes(B, HQ, HKV, D, lens)
+    bw = gbps(nbytes, us)
+    row = {
+        "model": model, "B": B, "T": T, "HQ": HQ, "HKV": HKV, "D": D,
+        "int8_us": us, "int8_GBps": bw, "frac_copy_bw": bw / copy_bw,
+        "sdpa_us": s_us, "sdpa_backend": s_name,
+        "sdpa_GBps": gbps(set_bytes_16, s_us) if s_us < float("inf") else 0.0,
+        "speedup_vs_sdpa": s_us / us,
+    }
+    return row, sweep
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench/out")
+    ap.add_argument("--quick", action="store_true", help="a few configs only")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("needs CUDA")
+        return 0
+    torch.backends.cuda.matmul.allow_tf32 = False
+    copy_bw = copy_bandwidth_gbps()
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+          f"copy bandwidth {copy_bw:.0f} GB/s (read + write)")
+    Bs = (1, 8, 32, 128)
+    Ts = (1024, 4096, 16384)
+    if args.quick:
+        Bs, Ts = (1, 32), (4096,)
+    rows, sweeps = [], []
+    for model in MODELS:
+        for B in Bs:
+            for T in Ts:
+                sweep = (B in (1, 8) and T in (4096, 16384)) or (model == "smollm2-135m" and B == 32)
+                row, sw = run_config(model, B, T, copy_bw, splits_sweep=sweep)
+                if row is None:
+                    continue
+                rows.append(row)
+                sweeps += sw
+                print(f"{model:14s} B={B:4d} T={T:6d}: int8 {row['int8_us']:9.1f} us "
+                      f"{row['int8_GBps']:6.0f} GB/s ({100 * row['frac_copy_bw']:.0f}% copy)  "
+                      f"sdpa[{row['sdpa_backend']}] {row['sdpa_us']:9.1f} us  "
+                      f"x{row['speedup_vs_sdpa']:.2f}", flush=True)
+    # variable lengths in one batch
+    HQ, HKV, D = MODELS["llama3-8b-gqa"]
+    g = torch.Generator().manual_seed(0)
+    lens = torch.randint(1, 16384, (32,), generator=g).tolist()
+    sets = [int8_problem(32, HQ, HKV, D, lens, seed=i) for i in range(2)]
+    us = bench_us(lambda i: (lambda: qops.paged_decode_attention_int8(*sets[i], D ** -0.5)), 2)
+    bw = gbps(int8_bytes(32, HQ, HKV, D, lens), us)
+    print(f"variable lengths (llama3-8b-gqa, B=32, lens 1..16383, mean {sum(lens) / 32:.0f}): "
+          f"{us:.1f} us, {bw:.0f} GB/s ({100 * bw / copy_bw:.0f}% copy)")
+    del sets
+
+    os.makedirs(args.out, exist_ok=True)
+    write_csv(rows, os.path.join(args.out, "decode_attention.csv"))
+    if sweeps:
+        write_csv(sweeps, os.path.join(args.out, "decode_attention_splits.csv"))
+        print("\nnum_splits sweep (us):")
+        print_table(sweeps)
+    for r in rows:
+        r["label"] = f"{r['model']} B{r['B']} T{r['T']}"
+    bar_plot(rows, "label", ["int8_us", "sdpa_us"], "paged int8 decode vs SDPA (bf16)", "us",
+             os.path.join(args.out, "decode_attention.png"))
+    print("\n== paged_decode_attention_int8 vs SDPA (bf16 K/V)")
+    print_table(rows, ["model", "B", "T", "int8_us", "int8_GBps", "frac_copy_bw", "sdpa_us",
+                       "sdpa_backend", "speedup_vs_sdpa"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,694 @@
+// Paged int8 KV-cache decode attention (flash-decoding split-K). See paged_decode_int8.h and
+// docs/kv_cache.md ("The decode kernel") for the design; in short:
+//
+// - One CTA of 4 warps per (sequence, kv head, group of <= 16 query heads, split). The split's
+//   16-token chunks are dealt round-robin to the warps; each warp keeps its own online softmax
+//   (m, l, O) and the CTA merges the 4 warps in shared memory at the end. With one split the CTA
+//   writes the output; with several it writes (O / l, log2-sum-exp) and a second kernel merges.
+// - Per chunk, a warp computes S = Q K^T with mma.m16n8k16 (fp16 in, f32 accumulate): query heads
+//   in M (rows >= G are zero), tokens in N, head dim in K. int8 K converts exactly to fp16 (a
+//   byte-permute + one half2 subtract per 2 values); the head dim is permuted so that each thread's
+//   K bytes are two (D=64: one) contiguous 16-byte loads and Q is loaded with the same
+//   permutation. bf16 queries are scaled by a power of two into fp16 range (exact).
+// - S's accumulator fragment is exactly the A fragment of P V (the FlashAttention-2 register
+//   reuse). P' = exp2(s - m) * v_scale is split into bf16 hi + lo parts (16 significant bits, full
+//   f32 range) and multiplied with int8 V converted exactly to bf16, f32 accumulation. V's output
+//   columns are permuted so that each thread loads 16 (D=64: 8) contiguous bytes of 4 token rows.
+// - Softmax in f32 in the log2 domain; per-token K scales multiply S, V scales multiply P.
+#include "attention/paged_decode_int8.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cmath>
+#include <cstdio>
+
+namespace qops {
+namespace attention {
+namespace {
+
+// Warps per CTA: 4, or 8 when the grid has at most one CTA per SM (small batches: more warps per
+// SM without more splits).
+constexpr int kMinTokensPerSplit = 512;
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr unsigned kFull = 0xffffffffu;
+
+// ---- fragments and conversions ------------------------------------------------------------------
+__device__ __forceinline__ void mma_f16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                        uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// 4 int8 (bytes b0..b3 of w) -> half2 (b0, b1) and half2 (b2, b3), exactly: the byte (x + 128)
+// becomes the low mantissa byte of 1024.0 (0x6400), then 1152 = 1024 + 128 is subtracted.
+__device__ __forceinline__ void i8x4_to_f16x2x2(uint32_t w, uint32_t& lo, uint32_t& hi) {
+  const uint32_t u = w ^ 0x80808080u;
+  uint32_t l = __byte_perm(u, 0x64646464u, 0x5140);
+  uint32_t h = __byte_perm(u, 0x64646464u, 0x5342);
+  const uint32_t magic = 0x64806480u;  // half2(1152, 1152)
+  asm("sub.f16x2 %0, %0, %1;" : "+r"(l) : "r"(magic));
+  asm("sub.f16x2 %0, %0, %1;" : "+r"(h) : "r"(magic));
+  lo = l;
+  hi = h;
+}
+
+// byte `i` of int8x4 words a and b -> bf16x2 (a_i, b_i), exactly: (x + 128) becomes the low
+// mantissa byte of 2^23 in f32, 2^23 + 128 is subtracted, and the (exact) bf16 is the f32's top
+// half.
+template <int I>
+__device__ __forceinline__ uint32_t i8pair_to_bf16x2(uint32_t ua, uint32_t ub) {
+  const float fa = __uint_as_float(__byte_perm(ua, 0x4B000000u, 0x7540 | I)) - 8388736.f;
+  const float fb = __uint_as_float(__byte_perm(ub, 0x4B000000u, 0x7540 | I)) - 8388736.f;
+  return __byte_perm(__float_as_uint(fa), __float_as_uint(fb), 0x7632);
+}
+
+__device__ __forceinline__ uint32_t pack_f16x2(float a, float b) {
+  __half2 h = __floats2half2_rn(a, b);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+
+__device__ __forceinline__ uint32_t pack_bf16x2(float a, float b) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+
+__device__ __forceinline__ float bf16_round(float x) {
+  return __bfloat162float(__float2bfloat16_rn(x));
+}
+
+template <typename T>
+__device__ __forceinline__ float to_float(T x);
+template <>
+__device__ __forceinline__ float to_float<__half>(__half x) { return __half2float(x); }
+template <>
+__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) {
+  return __bfloat162float(x);
+}
+
+template <typename T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+template <int D>
+struct VBytes;  // the bytes of one V row a thread loads: D / 8
+template <>
+struct VBytes<128> {
+  using type = uint4;
+};
+template <>
+struct VBytes<64> {
+  using type = uint2;
+};
+
+// One 16-token chunk of K, V and scales as a thread holds it.
+template <int D>
+struct Chunk {
+  static constexpr int KW = D / 64;  // 16-byte K loads per token row
+  uint4 k[2][KW];                    // K rows gid and gid + 8
+  typename VBytes<D>::type v[4];     // V rows 2*t4, 2*t4 + 1, 2*t4 + 8, 2*t4 + 9
+  float2 ks[2], vs[2];               // scales of tokens {2t4, 2t4+1} and {8+2t4, 9+2t4}
+  bool ok;                           // the block id is valid
+};
+
+// ---- the per-warp shared-memory pipeline ----------------------------------------------------------
+// Each warp streams its chunks through kStages stages of shared memory with cp.async (16-byte,
+// L1-bypassing), so several chunks per warp are in flight. One stage holds a 16-token chunk:
+// K [16][D] int8, V [16][D] int8 and (dynamic scales) 16 K and 16 V scales. The 16-byte column
+// chunks of row r are XOR-swizzled with swz(r) so that the fragment reads are free of bank
+// conflicts (D=128; the D=64 V reads are 2-way).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ int swz(int r) { return ((r & 1) << 2) ^ (((r >> 1) & 3) << 1); }
+
+template <int D>
+struct Stage {
+  static constexpr int kCpr = D / 16;  // 16-byte chunks per row
+  static constexpr int kKBytes = 16 * D;
+  static constexpr int kBytes = 2 * kKBytes + 128;  // K, V, 32 scales
+  __device__ static int chunk_off(int r, int ch) {
+    return r * D + ((ch ^ swz(r)) & (kCpr - 1)) * 16;
+  }
+};
+
+template <int D>
+constexpr int kStages = D == 128 ? 4 : 6;
+
+template <int D, int NW>
+constexpr int kPipeBytes = NW * kStages<D> * Stage<D>::kBytes;
+
+template <int D, bool kTwoRows, int NW>
+constexpr int kMergeBytes = NW * (kTwoRows ? 16 : 8) * (D + 4) * 4 + 2 * NW * 16 * 4;
+
+template <int D, bool kTwoRows, int NW>
+constexpr int kSmemBytes = kPipeBytes<D, NW> > kMergeBytes<D, kTwoRows, NW>
+                               ? kPipeBytes<D, NW>
+                               : kMergeBytes<D, kTwoRows, NW>;
+
+// ---- the split kernel ---------------------------------------------------------------------------
+// CTAs per SM the register budget is set for (D=128 with 16 query rows needs ~240 registers).
+template <int D, bool kTwoRows, int NW>
+constexpr int kMinBlocksPerSm = NW == 8 ? 1 : (D == 128 && kTwoRows ? 2 : 3);
+
+template <typename T, int D, bool kTwoRows, bool kStatic, int NW>
+__global__ void __launch_bounds__(NW * 32, kMinBlocksPerSm<D, kTwoRows, NW>)
+    paged_decode_int8_kernel(const PagedDecodeInt8Params p) {
+  constexpr int kWarps = NW;
+  constexpr int kThreads = NW * 32;
+  constexpr int KC = D / 16;  // k-steps of Q K^T
+  constexpr int DPT = D / 8;  // V bytes per token row a thread reads
+  constexpr int MT = D / 16;  // m-tiles of V^T P^T
+  constexpr int NH = kTwoRows ? 2 : 1;  // n-tiles (8 query heads each) of V^T P^T
+  constexpr int KW = D / 64;
+  constexpr int kRows = kTwoRows ? 16 : 8;
+  constexpr int kPad = 4;
+  constexpr int S = kStages<D>;
+  extern __shared__ __align__(16) unsigned char smem[];
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int gid = lane >> 2, t4 = lane & 3;
+  const int split = blockIdx.x, b = blockIdx.z;
+  const int G = p.num_q_heads / p.num_kv_heads;
+  const int HG = kTwoRows ? (G + 15) / 16 : 1;
+  const int kvh = blockIdx.y / HG, hg = blockIdx.y % HG;
+  const int h0 = kvh * G + hg * 16;
+  const int rows = min(kRows, G - hg * 16);
+  const int bs = p.block_size;
+
+  int L = p.seq_lens[b];
+  L = max(0, min(L, p.max_blocks * bs));
+  const int nchunks = (L + 15) >> 4;
+  const int per = (nchunks + p.num_splits - 1) / p.num_splits;
+  const int c_begin = split * per;
+  const int c_end = min(nchunks, c_begin + per);
+
+  const float k_static = kStatic ? __ldg(p.k_scales) : 1.f;
+  const float v_static = kStatic ? __ldg(p.v_scales) : 1.f;
+
+  // ---- Q fragments (A of Q K^T), with the head-dim permutation of the K loads.
+  // k-step c of thread t4 covers d = (c / 4) * 64 + t4 * 16 + (c % 4) * 4 + {0, 1 | 2, 3}.
+  uint32_t qa[KC][4];
+  float row_scale[2], row_slope[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    row_scale[r] = 0.f;
+    row_slope[r] = 0.f;
+    if (r == 1 && !kTwoRows) {
+#pragma unroll
+      for (int c = 0; c < KC; ++c) qa[c][1] = qa[c][3] = 0u;
+      continue;
+    }
+    const int row = gid + 8 * r;
+    float qf[KW][16];
+    if (row < rows) {
+      const T* qp = static_cast<const T*>(p.query) + b * p.q_stride_b + (h0 + row) * p.q_stride_h;
+#pragma unroll
+      for (int kw = 0; kw < KW; ++kw) {
+        uint4 u[2];
+        u[0] = __ldg(reinterpret_cast<const uint4*>(qp + kw * 64 + t4 * 16));
+        u[1] = __ldg(reinterpret_cast<const uint4*>(qp + kw * 64 + t4 * 16 + 8));
+        const T* e = reinterpret_cast<const T*>(u);
+#pragma unroll
+        for (int i = 0; i < 16; ++i) qf[kw][i] = to_float(e[i]);
+      }
+    } else {
+#pragma unroll
+      for (int kw = 0; kw < KW; ++kw)
+#pragma unroll
+        for (int i = 0; i < 16; ++i) qf[kw][i] = 0.f;
+    }
+    float scale = 1.f, inv = 1.f;
+    if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+      // a power of two that brings max|q| into [2^14, 2^15): the fp16 conversion is then exact
+      float mx = 0.f;
+#pragma unroll
+      for (int kw = 0; kw < KW; ++kw)
+#pragma unroll
+        for (int i = 0; i < 16; ++i) mx = fmaxf(mx, fabsf(qf[kw][i]));
+      mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 2));
+      if (mx > 0.f && mx < INFINITY) {
+        int e;
+        frexpf(mx, &e);  // mx = f * 2^e, f in [0.5, 1)
+        const int sh = max(-126, min(127, 15 - e));
+        scale = ldexpf(1.f, sh);
+        inv = ldexpf(1.f, -sh);
+      }
+    }
+#pragma unroll
+    for (int kw = 0; kw < KW; ++kw)
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        const int c = kw * 4 + w;
+        qa[c][r] = pack_f16x2(qf[kw][4 * w] * scale, qf[kw][4 * w + 1] * scale);
+        qa[c][2 + r] = pack_f16x2(qf[kw][4 * w + 2] * scale, qf[kw][4 * w + 3] * scale);
+      }
+    if (row < rows) {
+      row_scale[r] = p.sm_scale * kLog2e * inv * k_static;
+      if (p.alibi_slopes != nullptr) row_slope[r] = __ldg(p.alibi_slopes + h0 + row) * kLog2e;
+    }
+  }
+
+  // ---- online softmax state
+  float m_run[2] = {-INFINITY, -INFINITY};
+  float l_run[2] = {0.f, 0.f};
+  // O^T = V^T P'^T, m-tile i (16 head-dim rows) x n-tile h (8 query heads): thread holds
+  // d = gid * DPT + 2 * i + {0 (c0, c1), 1 (c2, c3)} for heads 8 * h + 2 * t4 + {0 (c0, c2), 1}.
+  float o[MT][NH][4];
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int h = 0; h < NH; ++h) o[i][h][0] = o[i][h][1] = o[i][h][2] = o[i][h][3] = 0.f;
+
+  const int32_t* bt_row = p.block_tables + b * p.bt_stride;
+  const int chunks_per_block_shift = __ffs(bs >> 4) - 1;  // bs / 16 is a power of two
+  int bt_cache = 0;
+
+  unsigned char* my_pipe = smem + warp * S * Stage<D>::kBytes;
+  unsigned ok_mask = 0;  // bit st: the block of the chunk in stage st is valid (warp-uniform)
+
+  // Issues the cp.async copies of chunk c (this warp's idx-th) into stage st.
+  auto issue = [&](int c, int idx, int st) {
+    if ((idx & 31) == 0) {  // refill the lane-held block ids of this warp's next 32 chunks
+      const int cc = c + lane * kWarps;
+      bt_cache = cc < c_end ? __ldg(bt_row + (cc >> chunks_per_block_shift)) : 0;
+    }
+    int blk = __shfl_sync(kFull, bt_cache, idx & 31);
+    const bool ok = blk >= 0 && blk < p.num_blocks;
+#if !defined(NDEBUG) || defined(QOPS_DEBUG)
+    if (!ok && lane == 0) {
+      printf("qops.paged_decode_attention_int8: block_tables[%d][%d] = %d is outside [0, %d)\n", b,
+             c >> chunks_per_block_shift, blk, p.num_blocks);
+      __trap();
+    }
+#endif
+    ok_mask = ok ? (ok_mask | (1u << st)) : (ok_mask & ~(1u << st));
+    if (!ok) blk = 0;  // never read out of bounds; the chunk is masked
+    const int off = (c << 4) & (bs - 1);
+    const int64_t sbase = (static_cast<int64_t>(blk) * p.num_kv_heads + kvh) * bs + off;
+    const int8_t* kb = p.k_cache + sbase * D;
+    const int8_t* vb = p.v_cache + sbase * D;
+    unsigned char* st_k = my_pipe + st * Stage<D>::kBytes;
+    unsigned char* st_v = st_k + Stage<D>::kKBytes;
+#pragma unroll
+    for (int i = 0; i < D / 32; ++i) {  // 16 rows x D/16 chunks = D pieces of 16 bytes
+      const int piece = lane + 32 * i;
+      const int r = piece / Stage<D>::kCpr, ch = piece % Stage<D>::kCpr;
+      cp_async16(st_k + Stage<D>::chunk_off(r, ch), kb + r * D + ch * 16);
+      cp_async16(st_v + Stage<D>::chunk_off(r, ch), vb + r * D + ch * 16);
+    }
+    if constexpr (!kStatic) {
+      float* st_s = reinterpret_cast<float*>(st_v + Stage<D>::kKBytes);
+      if (lane < 4) {
+        cp_async16(st_s + 4 * lane, p.k_scales + sbase + 4 * lane);
+      } else if (lane < 8) {
+        cp_async16(st_s + 16 + 4 * (lane - 4), p.v_scales + sbase + 4 * (lane - 4));
+      }
+    }
+  };
+
+  // Reads stage st into the fragment registers.
+  auto read_stage = [&](Chunk<D>& x, int st) {
+    const unsigned char* st_k = my_pipe + st * Stage<D>::kBytes;
+    const unsigned char* st_v = st_k + Stage<D>::kKBytes;
+#pragma unroll
+    for (int kw = 0; kw < KW; ++kw) {
+      x.k[0][kw] = *reinterpret_cast<const uint4*>(st_k + Stage<D>::chunk_off(gid, kw * 4 + t4));
+      x.k[1][kw] =
+          *reinterpret_cast<const uint4*>(st_k + Stage<D>::chunk_off(gid + 8, kw * 4 + t4));
+    }
+    using VT = typename VBytes<D>::type;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int vrow = 2 * t4 + (j & 1) + 8 * (j >> 1);
+      if constexpr (D == 128) {
+        x.v[j] = *reinterpret_cast<const VT*>(st_v + Stage<D>::chunk_off(vrow, gid));
+      } else {
+        x.v[j] = *reinterpret_cast<const VT*>(st_v + Stage<D>::chunk_off(vrow, gid >> 1) +
+                                              (gid & 1) * 8);
+      }
+    }
+    if constexpr (!kStatic) {
+      const float* st_s = reinterpret_cast<const float*>(st_v + Stage<D>::kKBytes);
+      x.ks[0] = *reinterpret_cast<const float2*>(st_s + 2 * t4);
+      x.ks[1] = *reinterpret_cast<const float2*>(st_s + 8 + 2 * t4);
+      x.vs[0] = *reinterpret_cast<const float2*>(st_s + 16 + 2 * t4);
+      x.vs[1] = *reinterpret_cast<const float2*>(st_s + 24 + 2 * t4);
+    }
+    x.ok = (ok_mask >> st) & 1u;
+  };
+
+  auto compute = [&](const Chunk<D>& x, int c) {
+    // S = Q K^T for tokens c*16 + [0, 8) (n-tile 0) and [8, 16) (n-tile 1)
+    float s[2][4];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+      const uint32_t* kw32 = reinterpret_cast<const uint32_t*>(&x.k[nt][0]);
+#pragma unroll
+      for (int kc = 0; kc < KC; ++kc) {
+        uint32_t b0, b1;
+        i8x4_to_f16x2x2(kw32[kc], b0, b1);
+        mma_f16(s[nt], qa[kc], b0, b1);
+      }
+    }
+    // scale, bias, mask; the row max
+    const int j0 = (c << 4) + 2 * t4;
+    float tok_ks[2][2], tok_vs[2][2];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      tok_ks[nt][0] = kStatic ? 1.f : x.ks[nt].x;
+      tok_ks[nt][1] = kStatic ? 1.f : x.ks[nt].y;
+      tok_vs[nt][0] = kStatic ? 1.f : x.vs[nt].x;
+      tok_vs[nt][1] = kStatic ? 1.f : x.vs[nt].y;
+    }
+    float pv[2][4];
+#pragma unroll
+    for (int r = 0; r < (kTwoRows ? 2 : 1); ++r) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int j = j0 + nt * 8 + e;
+          float v = s[nt][2 * r + e] * tok_ks[nt][e] * row_scale[r] +
+                    row_slope[r] * static_cast<float>(j - (L - 1));
+          v = (x.ok && j < L) ? v : -INFINITY;
+          s[nt][2 * r + e] = v;
+          mx = fmaxf(mx, v);
+        }
+      mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 2));
+      const float m_new = fmaxf(m_run[r], mx);
+      const float m_use = m_new == -INFINITY ? 0.f : m_new;
+      const float alpha = exp2f(m_run[r] - m_use);
+      m_run[r] = m_new;
+      float lsum = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float pe = exp2f(s[nt][2 * r + e] - m_use);  // -inf -> 0
+          lsum += pe;
+          const float w = pe * tok_vs[nt][e];
+          pv[nt][2 * r + e] = pe > 0.f ? w : 0.f;  // a masked token's scale may be garbage
+        }
+      l_run[r] = l_run[r] * alpha + lsum;
+      // O^T's columns 2*t4 + e (+8r) belong to the rows owned by the quads gid = 2*t4 + e
+      const float a0 = __shfl_sync(kFull, alpha, (2 * t4) * 4);
+      const float a1 = __shfl_sync(kFull, alpha, (2 * t4 + 1) * 4);
+#pragma unroll
+      for (int i = 0; i < MT; ++i) {
+        o[i][r][0] *= a0;
+        o[i][r][1] *= a1;
+        o[i][r][2] *= a0;
+        o[i][r][3] *= a1;
+      }
+    }
+    // P'^T as the B fragments (k = tokens, n = heads) of V^T P'^T, split into bf16 hi + lo:
+    // S's accumulator (row gid, tokens 2*t4 + {0, 1} of each n-tile) is exactly that fragment.
+    uint32_t ph[NH][2], pl[NH][2];
+#pragma unroll
+    for (int h = 0; h < NH; ++h)
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        const float a = pv[nt][2 * h], bb = pv[nt][2 * h + 1];
+        const float ah = bf16_round(a), bh = bf16_round(bb);
+        ph[h][nt] = pack_bf16x2(ah, bh);
+        pl[h][nt] = pack_bf16x2(a - ah, bb - bh);
+      }
+    // V^T as the A fragments: rows = head dim (row gid: d = 2i, row gid + 8: d = 2i + 1 of this
+    // thread's DPT bytes), k = tokens 2*t4, 2*t4 + 1 (regs 0, 1) and 2*t4 + 8, 2*t4 + 9 (regs 2, 3)
+    const uint32_t* v0 = reinterpret_cast<const uint32_t*>(&x.v[0]);
+    const uint32_t* v1 = reinterpret_cast<const uint32_t*>(&x.v[1]);
+    const uint32_t* v2 = reinterpret_cast<const uint32_t*>(&x.v[2]);
+    const uint32_t* v3 = reinterpret_cast<const uint32_t*>(&x.v[3]);
+#pragma unroll
+    for (int wi = 0; wi < DPT / 4; ++wi) {
+      const uint32_t w0 = v0[wi] ^ 0x80808080u, w1 = v1[wi] ^ 0x80808080u;
+      const uint32_t w2 = v2[wi] ^ 0x80808080u, w3 = v3[wi] ^ 0x80808080u;
+      uint32_t a[2][4];  // m-tiles 2*wi and 2*wi + 1
+      a[0][0] = i8pair_to_bf16x2<0>(w0, w1);
+      a[0][1] = i8pair_to_bf16x2<1>(w0, w1);
+      a[0][2] = i8pair_to_bf16x2<0>(w2, w3);
+      a[0][3] = i8pair_to_bf16x2<1>(w2, w3);
+      a[1][0] = i8pair_to_bf16x2<2>(w0, w1);
+      a[1][1] = i8pair_to_bf16x2<3>(w0, w1);
+      a[1][2] = i8pair_to_bf16x2<2>(w2, w3);
+      a[1][3] = i8pair_to_bf16x2<3>(w2, w3);
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int h = 0; h < NH; ++h) {
+          mma_bf16(o[2 * wi + j][h], a[j], ph[h][0], ph[h][1]);
+          mma_bf16(o[2 * wi + j][h], a[j], pl[h][0], pl[h][1]);
+        }
+    }
+  };
+
+  // ---- the main loop: this warp's chunks c_begin + warp + i * kWarps, S - 1 chunks in flight
+  {
+    const int first = c_begin + warp;
+    const int my_n = first < c_end ? (c_end - first + kWarps - 1) / kWarps : 0;
+#pragma unroll
+    for (int i = 0; i < S - 1; ++i) {
+      if (i < my_n) issue(first + i * kWarps, i, i);
+      cp_async_commit();
+    }
+    int st = 0;
+    for (int i = 0; i < my_n; ++i) {
+      const int in = i + S - 1;
+      if (in < my_n) issue(first + in * kWarps, in, st == 0 ? S - 1 : st - 1);
+      cp_async_commit();
+      cp_async_wait<S - 1>();
+      __syncwarp();
+      Chunk<D> x;
+      read_stage(x, st);
+      __syncwarp();  // all lanes have read the stage before a later issue refills it
+      compute(x, first + i * kWarps);
+      st = st + 1 == S ? 0 : st + 1;
+    }
+    cp_async_wait<0>();
+  }
+  __syncthreads();  // the pipeline's shared memory becomes the merge buffer
+
+  // ---- merge the warps
+  auto s_o = reinterpret_cast<float(*)[kRows][D + kPad]>(smem);
+  auto s_m = reinterpret_cast<float(*)[16]>(smem + kWarps * kRows * (D + kPad) * 4);
+  auto s_l = reinterpret_cast<float(*)[16]>(smem + kWarps * kRows * (D + kPad) * 4 + kWarps * 16 * 4);
+#pragma unroll
+  for (int r = 0; r < (kTwoRows ? 2 : 1); ++r) {
+    float l = l_run[r];
+    l += __shfl_xor_sync(kFull, l, 1);
+    l += __shfl_xor_sync(kFull, l, 2);
+    const int row = gid + 8 * r;
+    if (t4 == 0) {
+      s_m[warp][row] = m_run[r];
+      s_l[warp][row] = l;
+    }
+  }
+#pragma unroll
+  for (int h = 0; h < NH; ++h)
+#pragma unroll
+    for (int i = 0; i < MT; ++i) {
+      const int d = gid * DPT + 2 * i;
+      const int head = 8 * h + 2 * t4;
+      s_o[warp][head][d] = o[i][h][0];
+      s_o[warp][head + 1][d] = o[i][h][1];
+      s_o[warp][head][d + 1] = o[i][h][2];
+      s_o[warp][head + 1][d + 1] = o[i][h][3];
+    }
+  __syncthreads();
+
+  const int num_splits = p.num_splits;
+  for (int idx = threadIdx.x; idx < rows * D; idx += kThreads) {
+    const int row = idx / D, d = idx % D;
+    float m = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) m = fmaxf(m, s_m[w][row]);
+    float l = 0.f, acc = 0.f;
+    if (m != -INFINITY) {
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) {
+        const float f = exp2f(s_m[w][row] - m);
+        l += f * s_l[w][row];
+        acc += f * s_o[w][row][d];
+      }
+    }
+    const bool empty = !(l > 0.f);
+    const float val = empty ? 0.f : acc / l * v_static;
+    const int64_t bh = static_cast<int64_t>(b) * p.num_q_heads + h0 + row;
+    if (num_splits == 1) {
+      static_cast<T*>(p.out)[bh * D + d] = from_float<T>(val);
+    } else {
+      if (!empty) p.partial_out[(bh * num_splits + split) * D + d] = val;
+      if (d == 0) p.partial_lse[bh * num_splits + split] = empty ? -INFINITY : m + log2f(l);
+    }
+  }
+}
+
+// ---- the split merge: one warp per (sequence, query head) ----------------------------------------
+template <typename T, int D>
+__global__ void __launch_bounds__(128) paged_decode_int8_reduce_kernel(const float* partial_out,
+                                                                       const float* partial_lse,
+                                                                       T* out, int rows,
+                                                                       int num_splits) {
+  constexpr int E = D / 32;
+  const int lane = threadIdx.x & 31;
+  const int row = blockIdx.x * 4 + (threadIdx.x >> 5);
+  if (row >= rows) return;
+  const float* lse = partial_lse + static_cast<int64_t>(row) * num_splits;
+  float m = -INFINITY;
+  for (int s = lane; s < num_splits; s += 32) m = fmaxf(m, lse[s]);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(kFull, m, o));
+  float acc[E];
+#pragma unroll
+  for (int e = 0; e < E; ++e) acc[e] = 0.f;
+  float wsum = 0.f;
+  if (m != -INFINITY) {
+    for (int s = 0; s < num_splits; ++s) {
+      const float ls = lse[s];
+      if (ls == -INFINITY) continue;  // an empty split wrote no partial output
+      const float w = exp2f(ls - m);
+      wsum += w;
+      const float* po = partial_out + (static_cast<int64_t>(row) * num_splits + s) * D + lane * E;
+      if constexpr (E == 4) {
+        const float4 v = *reinterpret_cast<const float4*>(po);
+        acc[0] += w * v.x;
+        acc[1] += w * v.y;
+        acc[2] += w * v.z;
+        acc[3] += w * v.w;
+      } else {
+        const float2 v = *reinterpret_cast<const float2*>(po);
+        acc[0] += w * v.x;
+        acc[1] += w * v.y;
+      }
+    }
+  }
+  T* op = out + static_cast<int64_t>(row) * D + lane * E;
+#pragma unroll
+  for (int e = 0; e < E; ++e) op[e] = from_float<T>(wsum > 0.f ? acc[e] / wsum : 0.f);
+}
+
+template <typename T, int D, bool kTwoRows, bool kStatic, int NW>
+cudaError_t launch_split(const PagedDecodeInt8Params& p, dim3 grid, cudaStream_t stream) {
+  constexpr int smem = kSmemBytes<D, kTwoRows, NW>;
+  auto kernel = paged_decode_int8_kernel<T, D, kTwoRows, kStatic, NW>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err != cudaSuccess) return err;
+  kernel<<<grid, NW * 32, smem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <typename T, int D, bool kTwoRows, bool kStatic>
+cudaError_t launch(const PagedDecodeInt8Params& p, cudaStream_t stream) {
+  const int G = p.num_q_heads / p.num_kv_heads;
+  const int HG = kTwoRows ? (G + 15) / 16 : 1;
+  dim3 grid(p.num_splits, p.num_kv_heads * HG, p.batch);
+  int dev = 0, sms = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  if (err != cudaSuccess) return err;
+  const int64_t ctas = static_cast<int64_t>(grid.x) * grid.y * grid.z;
+  err = ctas <= sms ? launch_split<T, D, kTwoRows, kStatic, 8>(p, grid, stream)
+                    : launch_split<T, D, kTwoRows, kStatic, 4>(p, grid, stream);
+  if (err != cudaSuccess || p.num_splits == 1) return err;
+  const int rows = p.batch * p.num_q_heads;
+  paged_decode_int8_reduce_kernel<T, D><<<(rows + 3) / 4, 128, 0, stream>>>(
+      p.partial_out, p.partial_lse, static_cast<T*>(p.out), rows, p.num_splits);
+  return cudaGetLastError();
+}
+
+template <typename T, int D>
+cudaError_t dispatch_rows(const PagedDecodeInt8Params& p, cudaStream_t stream) {
+  const bool two = p.num_q_heads / p.num_kv_heads > 8;
+  if (two) {
+    return p.static_scales ? launch<T, D, true, true>(p, stream) : launch<T, D, true, false>(p, stream);
+  }
+  return p.static_scales ? launch<T, D, false, true>(p, stream) : launch<T, D, false, false>(p, stream);
+}
+
+template <typename T>
+cudaError_t dispatch_dim(const PagedDecodeInt8Params& p, cudaStream_t stream) {
+  return p.head_dim == 128 ? dispatch_rows<T, 128>(p, stream) : dispatch_rows<T, 64>(p, stream);
+}
+
+}  // namespace
+
+int paged_decode_int8_num_splits(int batch, int num_q_heads, int num_kv_heads, int head_dim,
+                                 int max_context, int num_sms) {
+  if (batch <= 0 || num_kv_heads <= 0 || num_q_heads <= 0) return 1;
+  const int G = num_q_heads / num_kv_heads;
+  const bool two = G > 8;
+  const int64_t hg = two ? (G + 15) / 16 : 1;
+  const int64_t ctas = static_cast<int64_t>(batch) * num_kv_heads * hg;
+  // Measured on H100 (bench/bench_decode_attention.py's num_splits sweep): at D = 128 the best
+  // split count gives about one CTA per SM (more splits cost more than the extra parallelism
+  // brings); at D = 64 about one wave of 3 CTAs per SM.
+  (void)two;
+  const int64_t slots = static_cast<int64_t>(num_sms > 0 ? num_sms : 132) * (head_dim == 128 ? 1 : 3);
+  if (2 * ctas >= slots) return 1;  // the batch alone fills at least half of that
+  // at most `slots` CTAs (a partial second wave of equal CTAs costs a whole CTA time), and at
+  // least kMinTokensPerSplit tokens per split (a split's fixed cost: block-table and Q loads,
+  // pipeline fill, merge, its share of the reduce kernel)
+  int64_t s = slots / ctas;
+  const int64_t by_len = (static_cast<int64_t>(max_context) + kMinTokensPerSplit - 1) /
+                         kMinTokensPerSplit;
+  if (s > by_len) s = by_len;
+  if (s > kPagedDecodeMaxSplits) s = kPagedDecodeMaxSplits;
+  return s < 1 ? 1 : static_cast<int>(s);
+}
+
+int64_t paged_decode_int8_workspace_floats(int batch, int num_q_heads, int head_dim,
+                                           int num_splits) {
+  if (num_splits <= 1) return 0;
+  return static_cast<int64_t>(batch) * num_q_heads * num_splits * (head_dim + 1);
+}
+
+cudaError_t paged_decode_attention_int8(const PagedDecodeInt8Params& p, cudaStream_t stream) {
+  if ((p.head_dim != 64 && p.head_dim != 128) || p.num_kv_heads <= 0 ||
+      p.num_q_heads % p.num_kv_heads != 0 || p.block_size < 16 || (p.block_size & 15) != 0 ||
+      ((p.block_size >> 4) & ((p.block_size >> 4) - 1)) != 0 || p.num_splits < 1 ||
+      p.num_splits > kPagedDecodeMaxSplits || p.batch < 0 || p.batch > 65535 ||
+      p.max_blocks < 1) {
+    return cudaErrorInvalidValue;
+  }
+  if (p.num_splits > 1 && (p.partial_out == nullptr || p.partial_lse == nullptr)) {
+    return cudaErrorInvalidValue;
+  }
+  const int G = p.num_q_heads / p.num_kv_heads;
+  if (static_cast<int64_t>(p.num_kv_heads) * (G > 8 ? (G + 15) / 16 : 1) > 65535) {
+    return cudaErrorInvalidConfiguration;
+  }
+  if (p.batch == 0) return cudaSuccess;
+  return p.bf16 ? dispatch_dim<__nv_bfloat16>(p, stream) : dispatch_dim<__half>(p, stream);
+}
+
+}  // namespace attention
+}  // namespace qops

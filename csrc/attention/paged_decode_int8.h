@@ -1,0 +1,57 @@
+// Single-token decode attention over the paged int8 KV cache (torch-free). docs/kv_cache.md
+// describes the layout and the kernel.
+//
+//   query:        half/bf16 [B, HQ, D] (last dim contiguous; batch/head strides given), D in {64, 128}
+//   k/v_cache:    int8 [num_blocks, HKV, block_size, D], contiguous, block_size a multiple of 16
+//   k/v_scales:   f32 [num_blocks, HKV, block_size] (dynamic) or f32 [1] (static)
+//   block_tables: int32 [B, max_blocks] (row stride bt_stride); seq_lens: int32 [B]
+//   alibi_slopes: f32 [HQ] or nullptr
+//   out:          [B, HQ, D] contiguous, the query's dtype
+//   partial_out, partial_lse: f32 workspace [B, HQ, num_splits, D] and [B, HQ, num_splits] when
+//                 num_splits > 1 (see paged_decode_int8_workspace_floats)
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace qops {
+namespace attention {
+
+struct PagedDecodeInt8Params {
+  const void* query;
+  int64_t q_stride_b, q_stride_h;  // in elements
+  const int8_t* k_cache;
+  const int8_t* v_cache;
+  const float* k_scales;
+  const float* v_scales;
+  bool static_scales;
+  const int32_t* block_tables;
+  int64_t bt_stride;
+  const int32_t* seq_lens;
+  const float* alibi_slopes;
+  void* out;
+  float* partial_out;
+  float* partial_lse;
+  int batch, num_q_heads, num_kv_heads, head_dim, block_size, num_blocks, max_blocks;
+  int num_splits;
+  float sm_scale;
+  bool bf16;
+};
+
+constexpr int kPagedDecodeMaxSplits = 128;
+
+// The split-K factor the kernel would choose: one split when the batch fills half a wave of
+// resident CTAs on `num_sms` SMs; otherwise as many as fit in one wave, with at least 512 tokens
+// of `max_context` (an upper bound of the sequence lengths) per split.
+int paged_decode_int8_num_splits(int batch, int num_q_heads, int num_kv_heads, int head_dim,
+                                 int max_context, int num_sms);
+
+// Floats of workspace needed for `num_splits` (0 when num_splits == 1).
+int64_t paged_decode_int8_workspace_floats(int batch, int num_q_heads, int head_dim,
+                                           int num_splits);
+
+cudaError_t paged_decode_attention_int8(const PagedDecodeInt8Params& p, cudaStream_t stream);
+
+}  // namespace attention
+}  // namespace qops

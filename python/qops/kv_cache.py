@@ -1,0 +1,316 @@
+"""Paged int8 KV cache: the quantizing cache write ``reshape_and_cache_int8`` and the cache manager.
+
+Layout (docs/ops.md "Paged int8 KV cache", docs/kv_cache.md):
+
+- ``k_cache``, ``v_cache``: int8 ``[num_blocks, H_kv, block_size, D]``, block_size in {16, 32, 64,
+  128}; slot ``s`` is block ``s // block_size``, offset ``s % block_size``.
+- ``k_scales``, ``v_scales``: float32 ``[num_blocks, H_kv, block_size]`` (dynamic: one scale per
+  (token, kv head), computed at write time) or float32 ``[1]`` (static: one given scale per
+  tensor). The mode is inferred from the scales' shape.
+
+``PagedKVCache`` owns the caches of all layers, hands out blocks to sequences, maps new tokens to
+slots and builds the ``block_tables`` / ``seq_lens`` tensors that
+``qops.paged_decode_attention_int8`` reads.
+"""
+from __future__ import annotations
+
+from typing import Hashable, Sequence
+
+import torch
+
+from ._registry import HALF_DTYPES, check, check_dtype, fake, reference
+from .quantization import absmax_scale, quantize_int8
+
+BLOCK_SIZES = (16, 32, 64, 128)
+"""The block sizes (tokens per block) that the CUDA kernels support."""
+
+_OP = "reshape_and_cache_int8"
+
+
+# ---- argument checks (shared by the reference, the fake and the attention op) -----------------
+def scale_mode(op: str, k_cache: torch.Tensor, k_scales: torch.Tensor, v_scales: torch.Tensor) -> str:
+    """``"dynamic"`` or ``"static"``, inferred from the scales' shapes (both must agree)."""
+    nb, h, bs = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]
+    check_dtype(k_scales, torch.float32, op, "k_scales")
+    check_dtype(v_scales, torch.float32, op, "v_scales")
+    modes = []
+    for name, s in (("k_scales", k_scales), ("v_scales", v_scales)):
+        if tuple(s.shape) == (nb, h, bs):
+            modes.append("dynamic")
+        elif tuple(s.shape) == (1,):
+            modes.append("static")
+        else:
+            check(
+                False, op,
+                f"{name} must be float32 [num_blocks, H_kv, block_size] = [{nb}, {h}, {bs}] "
+                f"(dynamic per-token scales) or [1] (a static per-tensor scale), got shape "
+                f"{tuple(s.shape)}",
+            )
+    check(modes[0] == modes[1], op,
+          f"k_scales and v_scales must both be dynamic or both static, got k_scales "
+          f"{modes[0]} and v_scales {modes[1]}")
+    check(k_scales.is_contiguous() and v_scales.is_contiguous(), op,
+          "k_scales and v_scales must be contiguous")
+    return modes[0]
+
+
+def check_caches(op: str, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scales: torch.Tensor,
+                 v_scales: torch.Tensor) -> str:
+    """Check the cache tensors of one layer; return the scale mode."""
+    check_dtype(k_cache, torch.int8, op, "k_cache")
+    check_dtype(v_cache, torch.int8, op, "v_cache")
+    check(k_cache.dim() == 4, op,
+          f"k_cache must be int8 [num_blocks, H_kv, block_size, D], got shape {tuple(k_cache.shape)}")
+    check(tuple(v_cache.shape) == tuple(k_cache.shape), op,
+          f"v_cache must have k_cache's shape {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
+    check(k_cache.is_contiguous() and v_cache.is_contiguous(), op,
+          "k_cache and v_cache must be contiguous")
+    check(k_cache.shape[2] in BLOCK_SIZES, op,
+          f"block_size (k_cache.shape[2]) must be one of {BLOCK_SIZES}, got {k_cache.shape[2]}")
+    for name, t in (("v_cache", v_cache), ("k_scales", k_scales), ("v_scales", v_scales)):
+        check(t.device == k_cache.device, op, f"{name} must be on {k_cache.device}, got {t.device}")
+    return scale_mode(op, k_cache, k_scales, v_scales)
+
+
+def _check_write_args(key, value, k_cache, v_cache, k_scales, v_scales, slot_mapping) -> str:
+    op = _OP
+    check_dtype(key, HALF_DTYPES, op, "key")
+    check(value.dtype == key.dtype, op, f"value must have key's dtype {key.dtype}, got {value.dtype}")
+    check(key.dim() == 3, op, f"key must be [T, H_kv, D], got shape {tuple(key.shape)}")
+    check(tuple(value.shape) == tuple(key.shape), op,
+          f"value must have key's shape {tuple(key.shape)}, got {tuple(value.shape)}")
+    check(key.stride(-1) == 1 and value.stride(-1) == 1, op,
+          "key and value must have a contiguous last dimension (stride 1)")
+    mode = check_caches(op, k_cache, v_cache, k_scales, v_scales)
+    check(tuple(key.shape[1:]) == (k_cache.shape[1], k_cache.shape[3]), op,
+          f"key's [H_kv, D] = {list(key.shape[1:])} must match k_cache's "
+          f"[H_kv, D] = [{k_cache.shape[1]}, {k_cache.shape[3]}]")
+    check(k_cache.shape[3] % 16 == 0, op, f"D must be a multiple of 16, got {k_cache.shape[3]}")
+    check_dtype(slot_mapping, torch.int64, op, "slot_mapping")
+    check(slot_mapping.dim() == 1 and slot_mapping.shape[0] == key.shape[0], op,
+          f"slot_mapping must be int64 [T] with T = {key.shape[0]}, got shape "
+          f"{tuple(slot_mapping.shape)}")
+    for name, t in (("key", key), ("value", value), ("slot_mapping", slot_mapping)):
+        check(t.device == k_cache.device, op, f"{name} must be on {k_cache.device}, got {t.device}")
+    return mode
+
+
+# ---- reshape_and_cache_int8 ---------------------------------------------------------------------
+@reference(_OP)
+def _reshape_and_cache_int8_ref(key, value, k_cache, v_cache, k_scales, v_scales, slot_mapping) -> None:
+    mode = _check_write_args(key, value, k_cache, v_cache, k_scales, v_scales, slot_mapping)
+    num_blocks, _, block_size, _ = k_cache.shape
+    capacity = num_blocks * block_size
+    bad = (slot_mapping < -1) | (slot_mapping >= capacity)
+    check(not bool(bad.any()), _OP,
+          f"slot_mapping holds slots outside [-1, num_blocks * block_size = {capacity}): "
+          f"{slot_mapping[bad][:8].tolist()}")
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    blk, off = slots // block_size, slots % block_size
+    for x, cache, scales in ((key[keep], k_cache, k_scales), (value[keep], v_cache, v_scales)):
+        x = x.float()  # [n, H_kv, D]
+        if mode == "dynamic":
+            s = absmax_scale(x, -1)  # [n, H_kv]
+            scales[blk, :, off] = s  # advanced indices around a slice: indexed shape [n, H_kv]
+            cache[blk, :, off] = quantize_int8(x, s.unsqueeze(-1))
+        else:
+            cache[blk, :, off] = quantize_int8(x, scales.reshape(()))
+
+
+@fake(_OP)
+def _reshape_and_cache_int8_fake(key, value, k_cache, v_cache, k_scales, v_scales, slot_mapping) -> None:
+    _check_write_args(key, value, k_cache, v_cache, k_scales, v_scales, slot_mapping)
+    return None
+
+
+def reshape_and_cache_int8(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scales: torch.Tensor,
+    v_scales: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Quantize new tokens' K and V to int8 and write them into their slots of the paged cache.
+
+    For every token ``t`` with ``s = slot_mapping[t] >= 0``, ``b, o = s // block_size, s % block_size``
+    and every kv head ``h``::
+
+        # dynamic scales ([num_blocks, H_kv, block_size]): computed here, written
+        k_scales[b, h, o] = max(key[t, h].float().abs().amax() / 127, 1e-10)
+        k_cache[b, h, o] = (key[t, h].float() / k_scales[b, h, o]).round().clamp(-128, 127).to(int8)
+        # static scale ([1]): read, never written
+        k_cache[b, h, o] = (key[t, h].float() / k_scales).round().clamp(-128, 127).to(int8)
+
+    and the same for ``value`` into ``v_cache`` / ``v_scales`` (round half to even, IEEE float32
+    division, NaN quantizes to 0). Slot -1 is padding: the token is skipped. Any other slot outside
+    ``[0, num_blocks * block_size)`` is an error: the reference raises; the CUDA kernel never writes
+    out of bounds (it skips the token) and traps in debug builds (``QOPS_DEBUG``). Two tokens mapped
+    to one slot leave either one there.
+
+    Args:
+        key, value: float16 or bfloat16 ``[T, H_kv, D]`` with a contiguous last dimension (token and
+            head strides may be anything, e.g. slices of a fused QKV projection).
+        k_cache, v_cache: int8 ``[num_blocks, H_kv, block_size, D]``, contiguous, written in place.
+        k_scales, v_scales: float32 ``[num_blocks, H_kv, block_size]`` (dynamic) or ``[1]``
+            (static), contiguous; both the same mode.
+        slot_mapping: int64 ``[T]``.
+    """
+    torch.ops.qops.reshape_and_cache_int8(key, value, k_cache, v_cache, k_scales, v_scales, slot_mapping)
+
+
+# ---- the cache manager --------------------------------------------------------------------------
+class PagedKVCache:
+    """The int8 KV caches of ``num_layers`` layers, with block allocation per sequence.
+
+    All layers share one block allocation: a sequence owns the same block ids in every layer, so
+    one ``block_tables`` / ``seq_lens`` pair serves every layer of a step.
+
+    A decode or prefill step::
+
+        slots = cache.append_slots([seq_a, seq_b], [n_a, n_b])   # int64 [n_a + n_b]
+        for layer in range(L):
+            ...
+            cache.write(layer, k, v, slots)                      # k, v [n_a + n_b, H_kv, D]
+            bt, lens = cache.block_tables([seq_a, seq_b]), cache.seq_lens([seq_a, seq_b])
+            o = qops.paged_decode_attention_int8(q, *cache.layer(layer), bt, lens, sm_scale)
+        cache.free(seq_a)
+
+    Args:
+        num_layers, num_kv_heads, head_dim: the model's shape (``head_dim`` 64 or 128 for the
+            CUDA decode kernel).
+        num_blocks: blocks per layer (each holds ``block_size`` tokens of every kv head).
+        block_size: 16, 32, 64 or 128.
+        k_scale, v_scale: ``None`` (default) for dynamic per-(token, head) scales; a float (or a
+            sequence of ``num_layers`` floats) for TensorRT-LLM-style static per-tensor scales.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_blocks: int,
+        block_size: int = 16,
+        *,
+        device: torch.device | str = "cpu",
+        k_scale: float | Sequence[float] | None = None,
+        v_scale: float | Sequence[float] | None = None,
+    ) -> None:
+        op = "PagedKVCache"
+        check(block_size in BLOCK_SIZES, op, f"block_size must be one of {BLOCK_SIZES}, got {block_size}")
+        check(num_layers >= 1 and num_kv_heads >= 1 and num_blocks >= 1, op,
+              "num_layers, num_kv_heads and num_blocks must be >= 1")
+        check(head_dim >= 16 and head_dim % 16 == 0, op, f"head_dim must be a multiple of 16, got {head_dim}")
+        check((k_scale is None) == (v_scale is None), op, "give both k_scale and v_scale, or neither")
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.device = torch.device(device)
+        self.static = k_scale is not None
+        shape = (num_layers, num_blocks, num_kv_heads, block_size, head_dim)
+        self.k_cache = torch.zeros(shape, dtype=torch.int8, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=torch.int8, device=self.device)
+        if self.static:
+            self.k_scales = self._static_scales(k_scale, "k_scale")
+            self.v_scales = self._static_scales(v_scale, "v_scale")
+        else:
+            sshape = (num_layers, num_blocks, num_kv_heads, block_size)
+            self.k_scales = torch.ones(sshape, dtype=torch.float32, device=self.device)
+            self.v_scales = torch.ones(sshape, dtype=torch.float32, device=self.device)
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out 0, 1, ...
+        self._blocks: dict[Hashable, list[int]] = {}
+        self._lens: dict[Hashable, int] = {}
+
+    def _static_scales(self, scale, name: str) -> torch.Tensor:
+        vals = [float(scale)] * self.num_layers if isinstance(scale, (int, float)) else [float(s) for s in scale]
+        check(len(vals) == self.num_layers, "PagedKVCache",
+              f"{name} must be a float or {self.num_layers} floats, got {len(vals)}")
+        check(all(v > 0 for v in vals), "PagedKVCache", f"{name} must be > 0, got {vals}")
+        return torch.tensor(vals, dtype=torch.float32, device=self.device).reshape(self.num_layers, 1)
+
+    # -- per-layer tensors
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(k_cache, v_cache, k_scales, v_scales)`` of layer ``i`` (views, contiguous)."""
+        return self.k_cache[i], self.v_cache[i], self.k_scales[i], self.v_scales[i]
+
+    def write(self, i: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """``reshape_and_cache_int8`` into layer ``i``."""
+        reshape_and_cache_int8(key, value, *self.layer(i), slot_mapping)
+
+    # -- sequences and blocks
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def sequences(self) -> list[Hashable]:
+        return list(self._lens)
+
+    def seq_len(self, seq_id: Hashable) -> int:
+        return self._lens[seq_id]
+
+    def blocks(self, seq_id: Hashable) -> list[int]:
+        return list(self._blocks[seq_id])
+
+    def can_append(self, seq_ids: Sequence[Hashable], num_tokens: Sequence[int]) -> bool:
+        """True when ``append_slots(seq_ids, num_tokens)`` would find enough free blocks."""
+        need = 0
+        for sid, n in zip(seq_ids, num_tokens):
+            cur = self._lens.get(sid, 0)
+            have = len(self._blocks.get(sid, ()))
+            need += max(0, -(-(cur + n) // self.block_size) - have)
+        return need <= len(self._free)
+
+    def append_slots(self, seq_ids: Sequence[Hashable], num_tokens: Sequence[int] | int = 1) -> torch.Tensor:
+        """Reserve slots for ``num_tokens[i]`` new tokens at the end of sequence ``seq_ids[i]``.
+
+        Unknown sequence ids are added (empty). Blocks are allocated as needed; the sequences'
+        lengths grow by ``num_tokens``. Returns the slot mapping, int64 ``[sum(num_tokens)]`` on the
+        cache's device, tokens in the order of ``seq_ids`` (the order of the rows of ``key`` and
+        ``value`` given to ``write``). Raises ``RuntimeError`` (and changes nothing) when the free
+        blocks do not suffice.
+        """
+        if isinstance(num_tokens, int):
+            num_tokens = [num_tokens] * len(seq_ids)
+        check(len(num_tokens) == len(seq_ids), "PagedKVCache.append_slots",
+              f"num_tokens must have {len(seq_ids)} entries, got {len(num_tokens)}")
+        check(len(set(seq_ids)) == len(seq_ids), "PagedKVCache.append_slots", "seq_ids must be distinct")
+        check(all(n >= 0 for n in num_tokens), "PagedKVCache.append_slots", "num_tokens must be >= 0")
+        check(self.can_append(seq_ids, num_tokens), "PagedKVCache.append_slots",
+              f"out of cache blocks ({len(self._free)} free of {self.num_blocks})", RuntimeError)
+        bs = self.block_size
+        slots: list[int] = []
+        for sid, n in zip(seq_ids, num_tokens):
+            blocks = self._blocks.setdefault(sid, [])
+            cur = self._lens.setdefault(sid, 0)
+            while len(blocks) * bs < cur + n:
+                blocks.append(self._free.pop())
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(cur, cur + n))
+            self._lens[sid] = cur + n
+        return torch.tensor(slots, dtype=torch.int64, device=self.device)
+
+    def free(self, seq_id: Hashable) -> None:
+        """Return a sequence's blocks to the free list and forget it."""
+        self._free.extend(reversed(self._blocks.pop(seq_id)))
+        del self._lens[seq_id]
+
+    def reset(self) -> None:
+        """Free every sequence (the cache contents are left as they are)."""
+        for sid in list(self._lens):
+            self.free(sid)
+
+    def block_tables(self, seq_ids: Sequence[Hashable], max_blocks: int | None = None) -> torch.Tensor:
+        """int32 ``[B, max_blocks]`` block ids of the sequences, padded with 0 (never read: the
+        decode reads only the first ``seq_lens[b]`` tokens). ``max_blocks`` defaults to the longest
+        sequence's block count (at least 1); give a fixed value for CUDA graphs."""
+        lists = [self._blocks[sid] for sid in seq_ids]
+        width = max([len(b) for b in lists] + [1]) if max_blocks is None else max_blocks
+        check(all(len(b) <= width for b in lists), "PagedKVCache.block_tables",
+              f"max_blocks={width} is smaller than a sequence's block count")
+        rows = [b + [0] * (width - len(b)) for b in lists]
+        return torch.tensor(rows, dtype=torch.int32, device=self.device).reshape(len(seq_ids), width)
+
+    def seq_lens(self, seq_ids: Sequence[Hashable]) -> torch.Tensor:
+        """int32 ``[B]`` current lengths (including tokens whose slots were just appended)."""
+        return torch.tensor([self._lens[sid] for sid in seq_ids], dtype=torch.int32, device=self.device)

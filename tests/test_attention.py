@@ -1,0 +1,325 @@
+"""paged_decode_attention_int8: the reference, its CUDA kernel, and the quantization error.
+
+The float64 model at the top is a plain per-sequence loop over the dequantized cache, written
+independently of qops.attention.decode_attention_reference (which is vectorized over the batch).
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import qops
+from qops.attention import alibi_slopes, decode_attention_reference
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+OP = "paged_decode_attention_int8"
+
+
+# ---- float64 reference ---------------------------------------------------------------------------
+def loop_reference(q, k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens, sm_scale,
+                   slopes=None):
+    """float64, one sequence and one head at a time."""
+    q, k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens = (
+        t.cpu() for t in (q, k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens))
+    B, HQ, D = q.shape
+    _, HKV, bs, _ = k_cache.shape
+    out = torch.zeros(B, HQ, D, dtype=torch.float64)
+    for b in range(B):
+        L = int(seq_lens[b])
+        if L == 0:
+            continue
+        blk = torch.tensor([int(block_tables[b, j // bs]) for j in range(L)])
+        off = torch.arange(L) % bs
+        for h in range(HQ):
+            kh = h // (HQ // HKV)
+            k = k_cache[blk, kh, off].double()  # [L, D]
+            v = v_cache[blk, kh, off].double()
+            if k_scales.dim() == 3:
+                k = k * k_scales[blk, kh, off].double()[:, None]
+                v = v * v_scales[blk, kh, off].double()[:, None]
+            else:
+                k, v = k * float(k_scales[0]), v * float(v_scales[0])
+            s = (k @ q[b, h].double()) * sm_scale
+            if slopes is not None:
+                s = s + float(slopes[h]) * (torch.arange(L, dtype=torch.float64) - (L - 1))
+            out[b, h] = torch.softmax(s, 0) @ v
+    return out
+
+
+def make_cache(seq_lens, HKV, D, block_size, *, static=False, device="cpu", seed=0, spare_blocks=3,
+               kv_dtype=torch.float16):
+    """Random K/V for each sequence written through reshape_and_cache_int8 into shuffled blocks.
+    Returns (k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens, k_fp, v_fp) where
+    k_fp/v_fp are the unquantized per-sequence K/V lists (for the quantization-error check)."""
+    g = torch.Generator().manual_seed(seed)
+    B = len(seq_lens)
+    nblk = [-(-L // block_size) for L in seq_lens]
+    num_blocks = sum(nblk) + spare_blocks
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    max_blocks = max(nblk + [1]) + 1
+    block_tables = torch.full((B, max_blocks), -1, dtype=torch.int32)  # -1: past the end, never read
+    k_fp, v_fp, slots = [], [], []
+    for b, L in enumerate(seq_lens):
+        blocks = [perm.pop() for _ in range(nblk[b])]
+        block_tables[b, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        slots += [blocks[j // block_size] * block_size + j % block_size for j in range(L)]
+        # keys with an outlier channel and per-token magnitude spread, as in real models
+        k = torch.randn(L, HKV, D, generator=g) * (0.5 + torch.rand(L, HKV, 1, generator=g) * 2)
+        k[..., 3] *= 4
+        k_fp.append(k.to(kv_dtype))
+        v_fp.append(torch.randn(L, HKV, D, generator=g).to(kv_dtype))
+    k_cache = torch.zeros(num_blocks, HKV, block_size, D, dtype=torch.int8)
+    v_cache = torch.zeros_like(k_cache)
+    if static:  # calibrated per-tensor scales (amax / 127 over the data, TensorRT-LLM style)
+        k_all = torch.cat(k_fp).float() if slots else torch.ones(1)
+        v_all = torch.cat(v_fp).float() if slots else torch.ones(1)
+        k_scales = (k_all.abs().amax() / 127).reshape(1)
+        v_scales = (v_all.abs().amax() / 127).reshape(1)
+    else:
+        k_scales = torch.full((num_blocks, HKV, block_size), float("nan"))  # unused slots: poison
+        v_scales = k_scales.clone()
+    if slots:
+        qops.reshape_and_cache_int8(torch.cat(k_fp), torch.cat(v_fp), k_cache, v_cache, k_scales,
+                                    v_scales, torch.tensor(slots, dtype=torch.int64))
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    tensors = [t.to(device) for t in (k_cache, v_cache, k_scales, v_scales, block_tables, lens)]
+    return (*tensors, k_fp, v_fp)
+
+
+def fp_attention(q, k_fp, v_fp, sm_scale, slopes=None):
+    """float64 attention on the unquantized K/V (the quantization-error yardstick)."""
+    B, HQ, D = q.shape
+    out = torch.zeros(B, HQ, D, dtype=torch.float64)
+    for b in range(B):
+        k, v = k_fp[b].double(), v_fp[b].double()  # [L, HKV, D]
+        L, HKV = k.shape[0], k.shape[1]
+        if L == 0:
+            continue
+        for h in range(HQ):
+            s = (k[:, h // (HQ // HKV)] @ q[b, h].double().cpu()) * sm_scale
+            if slopes is not None:
+                s = s + float(slopes[h]) * (torch.arange(L, dtype=torch.float64) - (L - 1))
+            out[b, h] = torch.softmax(s, 0) @ v[:, h // (HQ // HKV)]
+    return out
+
+
+# ---- CPU: the reference ---------------------------------------------------------------------------
+@pytest.mark.parametrize("HQ,HKV", [(4, 4), (9, 3), (8, 2), (8, 1)])
+@pytest.mark.parametrize("D,block_size", [(64, 16), (128, 32)])
+@pytest.mark.parametrize("static", [False, True])
+def test_reference_matches_loop(HQ, HKV, D, block_size, static):
+    lens = [1, 0, 37, 16]
+    k_cache, v_cache, ks, vs, bt, sl, _, _ = make_cache(lens, HKV, D, block_size, static=static)
+    q = torch.randn(len(lens), HQ, D, dtype=torch.bfloat16)
+    out = torch.ops.qops.paged_decode_attention_int8(q, k_cache, v_cache, ks, vs, bt, sl, 0.3, None, 0)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    ref = loop_reference(q, k_cache, v_cache, ks, vs, bt, sl, 0.3)
+    torch.testing.assert_close(out.double(), ref, atol=8e-3, rtol=8e-3)
+    assert bool((out[1] == 0).all())  # seq_len 0 -> zeros
+    ref64 = decode_attention_reference(q, k_cache, v_cache, ks, vs, bt, sl, 0.3, dtype=torch.float64)
+    torch.testing.assert_close(ref64, ref, atol=1e-12, rtol=1e-12)
+
+
+def test_reference_alibi():
+    lens = [70, 3]
+    k_cache, v_cache, ks, vs, bt, sl, _, _ = make_cache(lens, 2, 64, 16)
+    q = torch.randn(2, 6, 64, dtype=torch.float16)
+    slopes = alibi_slopes(6)
+    out = qops.paged_decode_attention_int8(q, k_cache, v_cache, ks, vs, bt, sl, 0.125, slopes)
+    ref = loop_reference(q, k_cache, v_cache, ks, vs, bt, sl, 0.125, slopes)
+    torch.testing.assert_close(out.double(), ref, atol=2e-3, rtol=2e-3)
+    plain = qops.paged_decode_attention_int8(q, k_cache, v_cache, ks, vs, bt, sl, 0.125)
+    assert (plain - out).abs().max() > 1e-2  # ALiBi changes the answer
+
+
+def test_reference_quantization_error_is_small():
+    lens = [300, 129]
+    k_cache, v_cache, ks, vs, bt, sl, k_fp, v_fp = make_cache(lens, 2, 128, 16)
+    q = torch.randn(2, 8, 128, dtype=torch.float16)
+    out = qops.paged_decode_attention_int8(q, k_cache, v_cache, ks, vs, bt, sl)
+    ref = fp_attention(q, k_fp, v_fp, 128 ** -0.5)
+    rel = float((out.double() - ref).norm() / ref.norm())
+    assert rel < 5e-2, rel
+
+
+def test_opcheck():
+    k_cache, v_cache, ks, vs, bt, sl, _, _ = make_cache([5, 20], 2, 64, 16)
+    q = torch.randn(2, 4, 64, dtype=torch.float16)
+    torch.library.opcheck(torch.ops.qops.paged_decode_attention_int8.default,
+                          (q, k_cache, v_cache, ks, vs, bt, sl, 0.125, None, 0))
+    torch.library.opcheck(torch.ops.qops.paged_decode_attention_int8.default,
+                          (q, k_cache, v_cache, ks, vs, bt, sl, 0.125, alibi_slopes(4), 3))
+
+
+def _bad_args(**over):
+    k_cache, v_cache, ks, vs, bt, sl, _, _ = make_cache([5, 20], 2, 64, 16)
+    args = dict(query=torch.randn(2, 4, 64, dtype=torch.float16), k_cache=k_cache, v_cache=v_cache,
+                k_scales=ks, v_scales=vs, block_tables=bt, seq_lens=sl, sm_scale=0.125,
+                alibi_slopes=None, num_splits=0)
+    args.update(over)
+    return args
+
+
+@pytest.mark.parametrize("over,match", [
+    (dict(query=torch.randn(2, 4, 64)), "query must be float16 or bfloat16"),
+    (dict(query=torch.randn(2, 4, 96, dtype=torch.float16)), "must match k_cache's D"),
+    (dict(query=torch.randn(2, 3, 64, dtype=torch.float16)), "multiple of the number of kv heads"),
+    (dict(query=torch.randn(2, 4, dtype=torch.float16)), "query must be \\[B, HQ, D\\]"),
+    (dict(k_cache=torch.zeros(28, 2, 16, 64, dtype=torch.float16)), "k_cache must be int8"),
+    (dict(v_scales=torch.ones(1)), "must both be dynamic or both static"),
+    (dict(block_tables=torch.zeros(2, 3, dtype=torch.int64)), "block_tables must be int32"),
+    (dict(block_tables=torch.zeros(3, 3, dtype=torch.int32)), "block_tables must be int32 \\[B"),
+    (dict(seq_lens=torch.tensor([5, 20])), "seq_lens must be int32"),
+    (dict(seq_lens=torch.tensor([5, 20, 1], dtype=torch.int32)), "seq_lens must be int32 \\[B\\]"),
+    (dict(seq_lens=torch.tensor([5, 4000], dtype=torch.int32)), "seq_lens must be in"),
+    (dict(seq_lens=torch.tensor([-1, 4], dtype=torch.int32)), "seq_lens must be in"),
+    (dict(block_tables=torch.full((2, 3), 99, dtype=torch.int32)), "block ids outside"),
+    (dict(alibi_slopes=torch.ones(3)), "alibi_slopes must be float32 \\[HQ\\]"),
+    (dict(alibi_slopes=torch.ones(4, dtype=torch.float16)), "alibi_slopes must be float32"),
+    (dict(num_splits=-1), "num_splits must be >= 0"),
+])
+def test_bad_inputs(over, match):
+    with pytest.raises((ValueError, TypeError), match=f"qops.{OP}.*{match}"):
+        qops.paged_decode_attention_int8(**_bad_args(**over))
+
+
+# ---- GPU: the CUDA kernel -------------------------------------------------------------------------
+def _gpu_case(lens, HQ, HKV, D, block_size, *, dtype=torch.float16, static=False, alibi=False,
+              num_splits=0, seed=0, check_quant_error=False):
+    k_cache, v_cache, ks, vs, bt, sl, k_fp, v_fp = make_cache(lens, HKV, D, block_size, static=static,
+                                                              seed=seed, kv_dtype=dtype)
+    g = torch.Generator().manual_seed(seed + 1)
+    q = (torch.randn(len(lens), HQ, D, generator=g) * 1.5).to(dtype)
+    slopes = alibi_slopes(HQ) if alibi else None
+    sm = 1.0 / math.sqrt(D)
+    dev = [t.cuda() for t in (q, k_cache, v_cache, ks, vs, bt, sl)]
+    out = qops.paged_decode_attention_int8(*dev, sm, None if slopes is None else slopes.cuda(),
+                                           num_splits=num_splits).cpu()
+    assert out.dtype == dtype and out.shape == q.shape
+    ref = decode_attention_reference(q, k_cache, v_cache, ks, vs, bt, sl, sm, slopes,
+                                     dtype=torch.float64)
+    # tight: the output dtype's rounding plus float32 accumulation
+    tol = 1.5e-3 if dtype == torch.float16 else 8e-3
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+    err = {}
+    if check_quant_error:
+        fp = fp_attention(q, k_fp, v_fp, sm, slopes)
+        err["rel_l2_vs_fp"] = float((out.double() - fp).norm() / fp.norm())
+        err["max_abs_vs_fp"] = float((out.double() - fp).abs().max())
+        print(f"\n[quantization error] lens={lens} HQ={HQ} HKV={HKV} D={D} static={static}: "
+              f"rel L2 {err['rel_l2_vs_fp']:.4f}, max abs {err['max_abs_vs_fp']:.4f} "
+              f"(kernel vs reference: max abs {float((out.double() - ref).abs().max()):.2e})")
+    return out, ref, err
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("HQ,HKV", [(8, 8), (9, 3), (32, 8), (16, 2), (32, 1), (12, 1)])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_small_gqa_ratios(HQ, HKV, D, dtype):
+    _gpu_case([1, 17, 0, 100, 33], HQ, HKV, D, 16, dtype=dtype)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("block_size", [16, 32, 64, 128])
+@pytest.mark.parametrize("static", [False, True])
+def test_gpu_small_block_sizes_and_static(block_size, static):
+    _gpu_case([5, 130, 257, 64], 8, 2, 128, block_size, static=static, seed=block_size)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("HQ,HKV,D", [(8, 2, 128), (9, 3, 64), (4, 4, 64)])
+def test_gpu_small_alibi(HQ, HKV, D):
+    _gpu_case([3, 100, 47], HQ, HKV, D, 16, alibi=True)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 7, 64])
+def test_gpu_small_num_splits(num_splits):
+    out, _, _ = _gpu_case([0, 1, 15, 16, 17, 700], 8, 2, 128, 16, num_splits=num_splits, alibi=True)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("D,HQ,HKV,dtype", [(128, 32, 8, torch.bfloat16), (64, 9, 3, torch.float16),
+                                           (128, 32, 32, torch.float16)])
+def test_gpu_long_context_and_quantization_error(D, HQ, HKV, dtype):
+    lens = [4097, 1025, 16384 if HKV < 32 else 3000]
+    _, _, err = _gpu_case(lens, HQ, HKV, D, 16, dtype=dtype, check_quant_error=True)
+    assert err["rel_l2_vs_fp"] < 5e-2
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_small_quantization_error_report():
+    for static in (False, True):
+        _, _, err = _gpu_case([200, 513], 8, 2, 128, 16, static=static, check_quant_error=True)
+        # per-tensor static scales saturate nothing (calibrated) but resolve small keys coarsely
+        assert err["rel_l2_vs_fp"] < (5e-2 if not static else 0.3)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_small_large_query_and_scales():
+    """bf16 queries far outside fp16 range (the kernel rescales them), tiny V scales."""
+    lens = [50, 300]
+    k_cache, v_cache, ks, vs, bt, sl, _, _ = make_cache(lens, 2, 128, 16)
+    vs = vs * 1e-6
+    q = torch.randn(2, 4, 128).to(torch.bfloat16) * 1e6
+    q[0, 1] = 0
+    sm = 1e-7
+    out = qops.paged_decode_attention_int8(*(t.cuda() for t in (q, k_cache, v_cache, ks, vs, bt, sl)),
+                                           sm).cpu()
+    ref = decode_attention_reference(q, k_cache, v_cache, ks, vs, bt, sl, sm, dtype=torch.float64)
+    scale = ref.abs().max()
+    torch.testing.assert_close(out.double() / scale, ref / scale, atol=8e-3, rtol=8e-3)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_small_poisoned_output_and_strided_query():
+    lens = [33, 0, 5]
+    k_cache, v_cache, ks, vs, bt, sl, _, _ = make_cache(lens, 2, 64, 16)
+    qkv = torch.randn(3, 12, 64, dtype=torch.float16)
+    q = qkv[:, :8]  # strided: a slice of a fused projection
+    torch.empty(1 << 24, dtype=torch.uint8, device="cuda").fill_(0xFF)  # NaN-ish garbage in the pool
+    out = qops.paged_decode_attention_int8(*(t.cuda() for t in (q, k_cache, v_cache, ks, vs, bt, sl))).cpu()
+    ref = decode_attention_reference(q, k_cache, v_cache, ks, vs, bt, sl, 64 ** -0.5, dtype=torch.float64)
+    torch.testing.assert_close(out.double(), ref, atol=1.5e-3, rtol=1.5e-3)
+    assert bool((out[1] == 0).all())
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_small_cuda_graph():
+    lens = [100, 7]
+    args = [t.cuda() for t in make_cache(lens, 2, 64, 16)[:6]]
+    q = torch.randn(2, 8, 64, dtype=torch.float16, device="cuda")
+    eager = qops.paged_decode_attention_int8(q, *args)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = qops.paged_decode_attention_int8(q, *args)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_small_bad_inputs():
+    k_cache, v_cache, ks, vs, bt, sl, _, _ = make_cache([5, 20], 2, 64, 16, device="cuda")
+    q = torch.randn(2, 4, 64, dtype=torch.float16, device="cuda")
+    with pytest.raises(ValueError, match=f"qops.{OP}.*seq_lens must be on"):
+        qops.paged_decode_attention_int8(q, k_cache, v_cache, ks, vs, bt, sl.cpu())
+    with pytest.raises(TypeError, match=f"qops.{OP}.*query"):
+        qops.paged_decode_attention_int8(q.float(), k_cache, v_cache, ks, vs, bt, sl)
+    with pytest.raises(ValueError, match=f"qops.{OP}.*head dim"):
+        qops.paged_decode_attention_int8(torch.randn(2, 4, 32, dtype=torch.float16, device="cuda"),
+                                         k_cache[..., :32].contiguous(), v_cache[..., :32].contiguous(),
+                                         ks, vs, bt, sl)
