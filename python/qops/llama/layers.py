@@ -1,0 +1,358 @@
+"""The modules of the quantized Llama: linears, norms, attention, MLP, decoder layer.
+
+Activations flow between modules either as a float tensor ``[T, H]`` (model dtype) or, when the
+next consumer is a W8A8 linear, as an already quantized pair ``QAct(q int8 [T, H], s f32 [T] or
+[1])`` produced by a fused op (RMSNorm+quant, SiLU-and-mul+quant). Tokens are flattened: ``T`` is
+the number of tokens in the step over all sequences (vLLM style), ``H`` a hidden size.
+
+Which op replaces what (docs/llama.md):
+
+================================  =============================================================
+Hugging Face module               qops module / op
+================================  =============================================================
+input_layernorm                   ``qops.rms_norm_quant`` (layer 0) / ``qops.fused_add_rms_norm_quant``
+q_proj, k_proj, v_proj            one fused ``W8A8Linear`` (``qops.w8a8_gemm``)
+rotary + attention                RoPE in PyTorch; ``qops.reshape_and_cache_int8``; decode:
+                                  ``qops.paged_decode_attention_int8``; prefill: SDPA
+o_proj                            ``qops.quant_per_token`` (or ``quant_per_tensor``) + ``W8A8Linear``
+post_attention_layernorm          ``qops.fused_add_rms_norm_quant``
+gate_proj, up_proj                one fused ``W8A8Linear``
+act_fn(gate) * up                 ``qops.silu_and_mul_quant``
+down_proj                         ``W8A8Linear``
+================================  =============================================================
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import qops
+from qops.quantization import quantize_per_channel
+
+from .config import LlamaArgs, QuantConfig
+
+
+class QAct(NamedTuple):
+    """An int8 activation: ``q`` int8 ``[T, H]`` and its scales, f32 ``[T]`` (per token) or ``[1]``."""
+
+    q: torch.Tensor
+    s: torch.Tensor
+
+
+Act = Union[torch.Tensor, QAct]
+
+
+# ---- linears ------------------------------------------------------------------------------------
+class W8A8Linear(nn.Module):
+    """``y = x @ W.T`` with int8 ``W`` (per-output-channel scales) and int8 ``x``.
+
+    ``forward(x)`` takes a ``QAct`` (already quantized by a fused op) or a float ``[T, K]``
+    tensor, which it quantizes per token (``qops.quant_per_token``) or, with a static
+    ``input_scale``, per tensor (``qops.quant_per_tensor``). Then
+    ``qops.w8a8_gemm(q, weight, s, weight_scale, out_dtype)``, i.e.
+    ``(q.float() @ weight.float().T) * s[:, None] * weight_scale[None, :]``.
+
+    Buffers: ``weight`` int8 ``[N, K]``, ``weight_scale`` f32 ``[N]``, ``input_scale`` f32 ``[1]``
+    (static activations only), ``bias`` ``[N]`` in ``out_dtype`` (optional).
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, out_dtype=torch.float16,
+                 static: bool = False, bias: bool = False, device=None) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.out_dtype = in_features, out_features, out_dtype
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8, device=device))
+        self.register_buffer("weight_scale", torch.ones(out_features, dtype=torch.float32, device=device))
+        self.register_buffer("input_scale", torch.ones(1, dtype=torch.float32, device=device) if static else None)
+        self.register_buffer("bias", torch.zeros(out_features, dtype=out_dtype, device=device) if bias else None)
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, *, out_dtype=torch.float16,
+                   input_scale: float | None = None) -> "W8A8Linear":
+        """Quantize a float ``weight [N, K]`` per output channel (``qops.quantization``)."""
+        n, k = weight.shape
+        m = cls(k, n, out_dtype=out_dtype, static=input_scale is not None, bias=bias is not None,
+                device=weight.device)
+        q, s = quantize_per_channel(weight.float())
+        m.weight.copy_(q)
+        m.weight_scale.copy_(s)
+        if input_scale is not None:
+            m.input_scale.fill_(float(input_scale))
+        if bias is not None:
+            m.bias.copy_(bias.to(out_dtype))
+        return m
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return self.weight.float() * self.weight_scale[:, None]
+
+    def quantize_input(self, x: torch.Tensor) -> QAct:
+        """Quantize a float ``x [T, K]`` as this layer expects it."""
+        if self.input_scale is not None:
+            return QAct(qops.quant_per_tensor(x, self.input_scale), self.input_scale)
+        return QAct(*qops.quant_per_token(x))
+
+    def forward(self, x: Act) -> torch.Tensor:
+        if not isinstance(x, QAct):
+            x = self.quantize_input(x)
+        return qops.w8a8_gemm(x.q, self.weight, x.s, self.weight_scale, self.out_dtype, self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features}, act="
+                f"{'static' if self.input_scale is not None else 'dynamic per-token'}")
+
+
+class FloatLinear(nn.Linear):
+    """``nn.Linear`` in the model dtype (the unquantized variant); takes float input only."""
+
+    input_scale = None
+
+    def forward(self, x: Act) -> torch.Tensor:
+        if isinstance(x, QAct):
+            raise TypeError("FloatLinear got an int8 activation")
+        return F.linear(x, self.weight, self.bias)
+
+
+def make_linear(weight: torch.Tensor, qcfg: QuantConfig, dtype: torch.dtype,
+                input_scale: float | None = None) -> nn.Module:
+    """A ``W8A8Linear`` (``qcfg.weights``) or a ``FloatLinear`` from a float ``weight [N, K]``."""
+    if qcfg.weights:
+        return W8A8Linear.from_float(weight, out_dtype=dtype,
+                                     input_scale=input_scale if qcfg.activations == "static" else None)
+    lin = FloatLinear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=dtype)
+    with torch.no_grad():
+        lin.weight.copy_(weight)
+    return lin
+
+
+# ---- RMSNorm (+ residual add) (+ quant) --------------------------------------------------------
+def rms_norm_float(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Hugging Face ``LlamaRMSNorm``: normalize in float32, scale in the input dtype."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * y.to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm feeding one linear. ``forward(x, residual=None)``:
+
+    - ``residual is None``: ``y = rmsnorm(x)``;
+    - else ``residual <- x + residual`` (in place, in the model dtype) and ``y = rmsnorm(residual)``.
+
+    ``quantize=True``: ``y`` is returned as a ``QAct`` from ``qops.rms_norm_quant`` /
+    ``qops.fused_add_rms_norm_quant`` (dynamic per-token scales, or the consumer's static
+    ``input_scale``); else a float tensor (plain PyTorch).
+    """
+
+    def __init__(self, hidden_size: int, eps: float, *, quantize: bool, dtype, device=None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device), requires_grad=False)
+        self.eps, self.quantize = eps, quantize
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                scale: torch.Tensor | None = None) -> Act:
+        if self.quantize:
+            if residual is None:
+                return QAct(*qops.rms_norm_quant(x, self.weight, self.eps, scale))
+            return QAct(*qops.fused_add_rms_norm_quant(x, residual, self.weight, self.eps, scale))
+        if residual is not None:
+            residual.add_(x)
+            x = residual
+        return rms_norm_float(x, self.weight, self.eps)
+
+
+# ---- RoPE ---------------------------------------------------------------------------------------
+class Rotary(nn.Module):
+    """Rotary embedding, Hugging Face's rotate-half convention.
+
+    ``cos``/``sin`` tables f32 ``[max_pos, D]`` are built once from ``inv_freq [D/2]`` (taken
+    from the Hugging Face model when available, so scaled RoPE variants come for free).
+    """
+
+    def __init__(self, inv_freq: torch.Tensor, max_pos: int, attention_scaling: float = 1.0) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", inv_freq.float().clone(), persistent=False)
+        self.attention_scaling = attention_scaling
+        self._build(max_pos)
+
+    def _build(self, max_pos: int) -> None:
+        t = torch.arange(max_pos, dtype=torch.float32, device=self.inv_freq.device)
+        f = torch.outer(t, self.inv_freq)
+        emb = torch.cat((f, f), dim=-1)
+        self.register_buffer("cos", emb.cos() * self.attention_scaling, persistent=False)
+        self.register_buffer("sin", emb.sin() * self.attention_scaling, persistent=False)
+
+    def ensure(self, max_pos: int) -> None:
+        """Grow the tables to cover positions ``< max_pos`` (called on the host side, by
+        ``step``, so that ``forward`` never synchronizes)."""
+        if max_pos > self.cos.shape[0]:
+            self._build(max(max_pos, 2 * self.cos.shape[0]))
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``x [T, H, D]`` rotated at ``positions [T]`` (in float32, returned in ``x.dtype``);
+        positions must be below the table size (``ensure``)."""
+        cos = self.cos[positions][:, None, :]
+        sin = self.sin[positions][:, None, :]
+        xf = x.float()
+        h = xf.shape[-1] // 2
+        rot = torch.cat((-xf[..., h:], xf[..., :h]), dim=-1)
+        return (xf * cos + rot * sin).to(x.dtype)
+
+
+# ---- attention ----------------------------------------------------------------------------------
+@dataclass
+class StepContext:
+    """Per-step metadata shared by all layers (built by ``QuantizedLlamaForCausalLM.step``).
+
+    Attributes:
+        cache: the KV cache (``Int8PagedKVCache`` or ``HalfPagedKVCache``).
+        positions: int64 ``[T]`` token positions.
+        slot_mapping: int64 ``[T]`` cache slots of the new tokens.
+        query_lens: new tokens per sequence (sums to ``T``).
+        decode: one new token per sequence appended to existing context; uses the paged decode
+            attention. Otherwise a prefill from an empty cache (causal attention per sequence).
+        block_tables, seq_lens: int32 ``[B, max_blocks]`` and ``[B]`` (decode).
+        prefill_from_cache: prefill attends to the values read back from the cache (dequantized
+            int8 with the int8 cache) instead of the fresh fp16 K/V: what decode sees, for
+            quality evaluation of the KV cache.
+    """
+
+    cache: object
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    query_lens: list
+    decode: bool
+    block_tables: torch.Tensor | None = None
+    seq_lens: torch.Tensor | None = None
+    prefill_from_cache: bool = False
+
+
+def _sdpa_gqa(q, k, v, causal: bool, mask=None):
+    """SDPA on ``q [B, HQ, S, D]``, ``k, v [B, H_kv, L, D]`` (kv heads repeated for GQA)."""
+    g = q.shape[1] // k.shape[1]
+    if g > 1:
+        k = k.repeat_interleave(g, dim=1)
+        v = v.repeat_interleave(g, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None)
+
+
+class Attention(nn.Module):
+    """Llama attention over the paged cache. ``forward(x [T, H] or QAct, ctx) -> [T, H]``.
+
+    qkv projection (one fused linear, rows ``[q heads | k heads | v heads]``) -> RoPE on q and k
+    -> cache write (``reshape_and_cache_int8`` for the int8 cache) -> attention -> o projection.
+    Decode: ``qops.paged_decode_attention_int8`` (int8 cache) or SDPA over the gathered blocks
+    (float cache). Prefill: causal SDPA per sequence, on the fresh K/V or (``prefill_from_cache``)
+    on the values read back from the cache.
+    """
+
+    def __init__(self, layer_idx: int, args: LlamaArgs, qkv: nn.Module, o: nn.Module, rotary: Rotary) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.hq, self.hkv, self.d = args.num_heads, args.num_kv_heads, args.head_dim
+        self.sm_scale = self.d ** -0.5
+        self.qkv_proj, self.o_proj = qkv, o
+        self.rotary = [rotary]  # shared, not a submodule of every layer
+
+    def forward(self, x: Act, ctx: StepContext) -> torch.Tensor:
+        t = ctx.positions.shape[0]
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
+        rot = self.rotary[0]
+        q = rot(q.reshape(t, self.hq, self.d), ctx.positions)
+        k = rot(k.reshape(t, self.hkv, self.d), ctx.positions)
+        v = v.reshape(t, self.hkv, self.d)
+        cache = ctx.cache
+        cache.write(self.layer_idx, k, v, ctx.slot_mapping)
+        if ctx.decode:
+            o = self._decode(q, cache, ctx)
+        else:
+            if ctx.prefill_from_cache:
+                k, v = cache.gather(self.layer_idx, ctx.slot_mapping, q.dtype)
+            o = self._prefill(q, k, v, ctx.query_lens)
+        return self.o_proj(o.reshape(t, self.hq * self.d))
+
+    def _decode(self, q, cache, ctx) -> torch.Tensor:
+        kc, vc, ks, vs = cache.layer(self.layer_idx)
+        if ks is not None:
+            return qops.paged_decode_attention_int8(q, kc, vc, ks, vs, ctx.block_tables, ctx.seq_lens,
+                                                    self.sm_scale)
+        # float cache: gather each sequence's blocks, mask beyond its length
+        bt = ctx.block_tables.long()
+        b, nb = bt.shape
+        bs = kc.shape[2]
+        k = kc[bt].permute(0, 2, 1, 3, 4).reshape(b, self.hkv, nb * bs, self.d).to(q.dtype)
+        v = vc[bt].permute(0, 2, 1, 3, 4).reshape(b, self.hkv, nb * bs, self.d).to(q.dtype)
+        valid = torch.arange(nb * bs, device=q.device)[None, :] < ctx.seq_lens.long()[:, None]
+        mask = torch.zeros(valid.shape, dtype=q.dtype, device=q.device).masked_fill(~valid, float("-inf"))
+        o = _sdpa_gqa(q[:, :, None, :], k, v, causal=False, mask=mask[:, None, None, :])
+        return o[:, :, 0, :]
+
+    def _prefill(self, q, k, v, query_lens) -> torch.Tensor:
+        """Causal attention within each sequence of the packed ``q [T, HQ, D]``, ``k, v [T, H_kv, D]``."""
+        if len(set(query_lens)) == 1:  # equal lengths: one batched call
+            b, s = len(query_lens), query_lens[0]
+            qb = q.reshape(b, s, self.hq, self.d).transpose(1, 2)
+            kb = k.reshape(b, s, self.hkv, self.d).transpose(1, 2)
+            vb = v.reshape(b, s, self.hkv, self.d).transpose(1, 2)
+            return _sdpa_gqa(qb, kb, vb, causal=True).transpose(1, 2).reshape(b * s, self.hq, self.d)
+        outs, start = [], 0
+        for n in query_lens:
+            sl = slice(start, start + n)
+            o = _sdpa_gqa(q[sl].transpose(0, 1)[None], k[sl].transpose(0, 1)[None],
+                          v[sl].transpose(0, 1)[None], causal=True)
+            outs.append(o[0].transpose(0, 1))
+            start += n
+        return torch.cat(outs, dim=0)
+
+
+# ---- MLP ----------------------------------------------------------------------------------------
+class MLP(nn.Module):
+    """``down(silu(gate(x)) * up(x))`` with gate/up fused (rows ``[gate | up]``).
+
+    Quantized: ``qops.silu_and_mul_quant`` hands ``down`` an int8 activation; float: PyTorch."""
+
+    def __init__(self, gate_up: nn.Module, down: nn.Module) -> None:
+        super().__init__()
+        self.gate_up_proj, self.down_proj = gate_up, down
+
+    def forward(self, x: Act) -> torch.Tensor:
+        gu = self.gate_up_proj(x)
+        if isinstance(self.down_proj, W8A8Linear):
+            return self.down_proj(QAct(*qops.silu_and_mul_quant(gu, self.down_proj.input_scale)))
+        g, u = gu.chunk(2, dim=-1)
+        return self.down_proj(F.silu(g) * u)
+
+
+# ---- decoder layer ------------------------------------------------------------------------------
+class DecoderLayer(nn.Module):
+    """One Llama block on the (hidden, residual) pair (vLLM style).
+
+    ``forward(hidden [T, H], residual [T, H] or None, ctx) -> (mlp_out, residual)``: the residual
+    stream is ``residual``, updated in place by the fused add+RMSNorm; ``hidden`` is the previous
+    block's MLP output (or the embeddings for layer 0, with ``residual=None``). The sum
+    ``mlp_out + residual`` is the block's output, added by the next layer's fused norm.
+    """
+
+    def __init__(self, attn: Attention, mlp: MLP, input_norm: RMSNorm, post_norm: RMSNorm) -> None:
+        super().__init__()
+        self.self_attn, self.mlp = attn, mlp
+        self.input_layernorm, self.post_attention_layernorm = input_norm, post_norm
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, ctx: StepContext):
+        qkv_scale = self.self_attn.qkv_proj.input_scale
+        if residual is None:
+            residual = hidden.clone()
+            x = self.input_layernorm(hidden, None, qkv_scale)
+        else:
+            x = self.input_layernorm(hidden, residual, qkv_scale)
+        h = self.self_attn(x, ctx)
+        x = self.post_attention_layernorm(h, residual, self.mlp.gate_up_proj.input_scale)
+        return self.mlp(x), residual
+
+
+def sm_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)

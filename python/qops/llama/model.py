@@ -1,0 +1,291 @@
+"""``QuantizedLlamaForCausalLM``: the Llama module tree rebuilt from qops modules, the step API
+(prefill / decode over a paged cache), and construction from a Hugging Face model."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Hashable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .cache import blocks_needed, make_cache
+from .config import LlamaArgs, QuantConfig
+from .layers import MLP, Attention, DecoderLayer, FloatLinear, RMSNorm, Rotary, StepContext, W8A8Linear, \
+    make_linear, rms_norm_float
+
+
+class QuantizedLlamaForCausalLM(nn.Module):
+    """A Llama decoder whose linears, norms, activation and attention call ``torch.ops.qops``.
+
+    Built by ``qops.llama.quantize`` (from a ``transformers.LlamaForCausalLM``). The embedding,
+    the final norm and the LM head stay in the model dtype (as in SmoothQuant / vLLM W8A8).
+
+    Use:
+        ``cache = model.new_cache(num_blocks)`` then ``model.step(input_ids, seq_ids, cache)``
+        for each prefill or decode step (``qops.llama.generate`` wraps this), or
+        ``model.score(input_ids)`` for the logits of whole windows (evaluation).
+
+    Attributes:
+        args: ``LlamaArgs`` (shape); qcfg: ``QuantConfig``; dtype: the activation dtype
+            (float16/bfloat16; float32 for float-only calibration trees).
+        kv_scales: ``(k_scales, v_scales)`` per layer (static KV scales) or ``None``.
+    """
+
+    def __init__(self, args: LlamaArgs, qcfg: QuantConfig, embed: torch.Tensor, layers: list[DecoderLayer],
+                 final_norm: torch.Tensor, lm_head: torch.Tensor | None, rotary: Rotary,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.args, self.qcfg, self.dtype = args, qcfg, dtype
+        self.embed_tokens = nn.Embedding.from_pretrained(embed, freeze=True)
+        self.layers = nn.ModuleList(layers)
+        self.norm = nn.Parameter(final_norm, requires_grad=False)
+        self.lm_head = None if lm_head is None else nn.Parameter(lm_head, requires_grad=False)
+        self.rotary = rotary
+        self.kv_scales: tuple[list[float], list[float]] | None = None
+
+    # ---- construction ---------------------------------------------------------------------------
+    @classmethod
+    def from_state_dict(cls, sd: dict, args: LlamaArgs, qcfg: QuantConfig, *, dtype=torch.float16,
+                        device=None, inv_freq: torch.Tensor | None = None, attention_scaling: float = 1.0,
+                        input_scales: dict | None = None, progress: bool = False) -> "QuantizedLlamaForCausalLM":
+        """Build from float weights with Hugging Face names (``sd``, any dtype; moved to
+        ``device``), quantizing the linears per ``qcfg``. ``input_scales`` holds static
+        activation scales ``{"layers.{i}.{qkv,o,gate_up,down}": float}``."""
+        device = torch.device(device) if device is not None else sd["model.embed_tokens.weight"].device
+        input_scales = input_scales or {}
+        if inv_freq is None:
+            d = args.head_dim
+            inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+        rotary = Rotary(inv_freq.to(device), min(args.max_position_embeddings, 4096), attention_scaling)
+        quant_acts = qcfg.weights
+        layers = []
+        it = range(args.num_layers)
+        if progress:
+            try:
+                from tqdm.auto import tqdm
+                it = tqdm(it, desc=f"quantizing ({qcfg.label()})", leave=False)
+            except ImportError:
+                pass
+        for i in it:
+            p = f"model.layers.{i}."
+
+            def w(name):
+                return sd[p + name + ".weight"].to(device=device, dtype=torch.float32)
+
+            def lin(weight, key):
+                return make_linear(weight, qcfg, dtype, input_scales.get(f"layers.{i}.{key}"))
+
+            qkv = lin(torch.cat([w("self_attn.q_proj"), w("self_attn.k_proj"), w("self_attn.v_proj")]), "qkv")
+            o = lin(w("self_attn.o_proj"), "o")
+            gate_up = lin(torch.cat([w("mlp.gate_proj"), w("mlp.up_proj")]), "gate_up")
+            down = lin(w("mlp.down_proj"), "down")
+            n1 = RMSNorm(args.hidden_size, args.rms_norm_eps, quantize=quant_acts, dtype=dtype, device=device)
+            n2 = RMSNorm(args.hidden_size, args.rms_norm_eps, quantize=quant_acts, dtype=dtype, device=device)
+            n1.weight.copy_(w("input_layernorm"))
+            n2.weight.copy_(w("post_attention_layernorm"))
+            layers.append(DecoderLayer(Attention(i, args, qkv, o, rotary), MLP(gate_up, down), n1, n2))
+        embed = sd["model.embed_tokens.weight"].to(device=device, dtype=dtype)
+        head = None
+        if not args.tie_word_embeddings:
+            head = sd["lm_head.weight"].to(device=device, dtype=dtype)
+        final_norm = sd["model.norm.weight"].to(device=device, dtype=dtype)
+        return cls(args, qcfg, embed, layers, final_norm, head, rotary, dtype)
+
+    # ---- caches ---------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def new_cache(self, num_blocks: int):
+        """An empty KV cache of ``num_blocks`` blocks for this model (int8 or float per ``qcfg``)."""
+        ks, vs = self.kv_scales if self.kv_scales is not None else (None, None)
+        return make_cache(self.args, self.qcfg, num_blocks, device=self.device, dtype=self.dtype,
+                          k_scales=ks, v_scales=vs)
+
+    def cache_for(self, lengths: Sequence[int]):
+        """A cache just large enough for sequences of the given final lengths."""
+        return self.new_cache(max(1, blocks_needed(lengths, self.qcfg.block_size)))
+
+    # ---- forward --------------------------------------------------------------------------------
+    def head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head
+
+    def logits(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """Final residual add, RMSNorm and LM head: ``[T, H]`` -> float32 ``[T, V]``."""
+        x = rms_norm_float(hidden + residual, self.norm, self.args.rms_norm_eps)
+        w = self.head_weight()
+        if x.device.type == "cpu" and x.dtype == torch.float16:
+            # CPU float16 GEMMs are slow; float32 is faster and at least as accurate
+            return F.linear(x.float(), w.float())
+        return F.linear(x, w).float()
+
+    def forward(self, input_ids: torch.Tensor, ctx: StepContext, logits_rows: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """``input_ids`` int64 ``[T]`` (flattened over sequences) -> logits f32 ``[T, V]`` (or
+        ``[len(logits_rows), V]``: only those rows go through the LM head)."""
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, ctx)
+        if logits_rows is not None:
+            hidden, residual = hidden[logits_rows], residual[logits_rows]
+        return self.logits(hidden, residual)
+
+    @torch.no_grad()
+    def step(self, input_ids: Sequence[Sequence[int]] | torch.Tensor, seq_ids: Sequence[Hashable], cache,
+             *, last_only: bool = True, prefill_from_cache: bool = False) -> torch.Tensor:
+        """One model step for a batch of sequences.
+
+        ``input_ids``: one list of new tokens per sequence (or an int tensor ``[B, S]`` of equal
+        lengths). Sequences unknown to the cache are prefilled (they must all be new); otherwise
+        every sequence must bring exactly one token (a decode step). Returns float32 logits
+        ``[B, V]`` of each sequence's last token (``last_only``), else ``[T, V]`` for all tokens.
+        """
+        if isinstance(input_ids, torch.Tensor):
+            rows = [r for r in input_ids.to("cpu").tolist()] if input_ids.dim() == 2 else [input_ids.tolist()]
+        else:
+            rows = [list(r) for r in input_ids]
+        if len(rows) != len(seq_ids):
+            raise ValueError(f"step: {len(rows)} token lists for {len(seq_ids)} sequence ids")
+        live = set(cache.sequences())
+        known = [sid in live for sid in seq_ids]
+        qlens = [len(r) for r in rows]
+        if any(n == 0 for n in qlens):
+            raise ValueError("step: every sequence needs at least one new token")
+        decode = all(known)
+        if decode and any(n != 1 for n in qlens):
+            raise ValueError("step: sequences with cached context take exactly one token per step "
+                             "(chunked prefill is not supported)")
+        if not decode and any(known):
+            raise ValueError("step: a step is either a prefill of new sequences or a decode of "
+                             "known ones, not both")
+        dev = self.device
+        starts = [cache.seq_len(s) if k else 0 for s, k in zip(seq_ids, known)]
+        self.rotary.ensure(max(s + n for s, n in zip(starts, qlens)))
+        slots = cache.append_slots(list(seq_ids), qlens)
+        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, qlens)]).to(dev)
+        ids = torch.tensor([t for r in rows for t in r], dtype=torch.long, device=dev)
+        ctx = StepContext(cache=cache, positions=positions, slot_mapping=slots, query_lens=qlens,
+                          decode=decode, prefill_from_cache=prefill_from_cache)
+        if decode:
+            ctx.block_tables = cache.block_tables(list(seq_ids))
+            ctx.seq_lens = cache.seq_lens(list(seq_ids))
+        last = None
+        if last_only:
+            last = torch.tensor(qlens, device=dev).cumsum(0) - 1
+        return self(ids, ctx, last)
+
+    @torch.no_grad()
+    def score(self, input_ids: torch.Tensor, *, prefill_from_cache: bool = True) -> torch.Tensor:
+        """Logits f32 ``[B, S, V]`` of every position of ``input_ids [B, S]`` (a fresh cache;
+        attention reads the cached K/V, so an int8 cache's quantization error is included)."""
+        b, s = input_ids.shape
+        cache = self.cache_for([s] * b)
+        out = self.step(input_ids, list(range(b)), cache, last_only=False, prefill_from_cache=prefill_from_cache)
+        return out.reshape(b, s, -1)
+
+    # ---- info -----------------------------------------------------------------------------------
+    def weight_bytes(self) -> int:
+        """Bytes of all parameters and buffers (the tied embedding once)."""
+        seen, total = set(), 0
+        for t in list(self.parameters()) + list(self.buffers()):
+            if t.data_ptr() in seen:
+                continue
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+        return total
+
+    def kv_bytes_per_token(self) -> int:
+        """KV-cache bytes per token (all layers, K and V, int8 scales included)."""
+        a = self.args
+        per = 2 * a.num_layers * a.num_kv_heads * a.head_dim
+        if self.qcfg.kv_cache == "int8":
+            return per + (0 if self.qcfg.kv_scales == "static" else 2 * a.num_layers * a.num_kv_heads * 4)
+        return per * torch.finfo(self.dtype).bits // 8
+
+    # ---- save / load ----------------------------------------------------------------------------
+    def save(self, path: str | Path) -> None:
+        """Save the quantized model (int8 weights and scales) to a folder: ``config.json`` and
+        ``model.safetensors`` (or ``model.pt`` without safetensors)."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        meta = {"format": "qops.llama/1", "args": self.args.to_dict(), "qcfg": self.qcfg.to_dict(),
+                "dtype": str(self.dtype).replace("torch.", ""), "kv_scales": self.kv_scales,
+                "attention_scaling": self.rotary.attention_scaling}
+        (path / "config.json").write_text(json.dumps(meta, indent=1))
+        sd = {k: v.contiguous() for k, v in self.state_dict().items()}
+        sd["rotary.inv_freq"] = self.rotary.inv_freq.contiguous()
+        if self.lm_head is None:
+            sd.pop("lm_head", None)
+        try:
+            from safetensors.torch import save_file
+            save_file({k: v.cpu() for k, v in sd.items()}, str(path / "model.safetensors"))
+        except ImportError:
+            torch.save(sd, path / "model.pt")
+
+    @classmethod
+    def load(cls, path: str | Path, device=None) -> "QuantizedLlamaForCausalLM":
+        """Load a model saved with ``save`` (no float checkpoint needed)."""
+        path = Path(path)
+        meta = json.loads((path / "config.json").read_text())
+        if meta.get("format") != "qops.llama/1":
+            raise ValueError(f"{path}: not a qops.llama checkpoint")
+        args = LlamaArgs(**meta["args"])
+        qcfg = QuantConfig.from_dict(meta["qcfg"])
+        dtype = getattr(torch, meta["dtype"])
+        if (path / "model.safetensors").is_file():
+            from safetensors.torch import load_file
+            sd = load_file(str(path / "model.safetensors"))
+        else:
+            sd = torch.load(path / "model.pt", map_location="cpu")
+        model = cls.empty(args, qcfg, dtype=dtype, device="meta", inv_freq=sd.pop("rotary.inv_freq"),
+                          attention_scaling=meta.get("attention_scaling", 1.0))
+        model.load_state_dict(sd, strict=True, assign=True)
+        model._retie_rotary()
+        if meta.get("kv_scales"):
+            model.kv_scales = tuple(meta["kv_scales"])
+        return model.to(device) if device is not None else model
+
+    @classmethod
+    def empty(cls, args: LlamaArgs, qcfg: QuantConfig, *, dtype=torch.float16, device=None,
+              inv_freq: torch.Tensor | None = None, attention_scaling: float = 1.0):
+        """A model with uninitialized (or random, for benchmarks) weights of the right shapes."""
+        dev = torch.device(device) if device is not None else torch.device("cpu")
+        if inv_freq is None:
+            d = args.head_dim
+            inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+        rotary = Rotary(inv_freq.to("cpu" if dev.type == "meta" else dev),
+                        min(args.max_position_embeddings, 4096), attention_scaling)
+        h, i_, a = args.hidden_size, args.intermediate_size, args
+        static = qcfg.activations == "static"
+
+        def lin(k, n):
+            if qcfg.weights:
+                return W8A8Linear(k, n, out_dtype=dtype, static=static, device=dev)
+            return FloatLinear(k, n, bias=False, dtype=dtype, device=dev)
+
+        layers = []
+        for i in range(a.num_layers):
+            attn = Attention(i, a, lin(h, a.qkv_size), lin(a.num_heads * a.head_dim, h), rotary)
+            mlp = MLP(lin(h, 2 * i_), lin(i_, h))
+            n1 = RMSNorm(h, a.rms_norm_eps, quantize=qcfg.weights, dtype=dtype, device=dev)
+            n2 = RMSNorm(h, a.rms_norm_eps, quantize=qcfg.weights, dtype=dtype, device=dev)
+            layers.append(DecoderLayer(attn, mlp, n1, n2))
+        embed = torch.empty(a.vocab_size, h, dtype=dtype, device=dev)
+        head = None if a.tie_word_embeddings else torch.empty(a.vocab_size, h, dtype=dtype, device=dev)
+        return cls(a, qcfg, embed, layers, torch.ones(h, dtype=dtype, device=dev), head, rotary, dtype)
+
+    def _retie_rotary(self) -> None:
+        for layer in self.layers:
+            layer.self_attn.rotary = [self.rotary]
+
+    def _apply(self, fn, recurse=True):
+        # keep the rotary tables (non-persistent buffers of a shared module) on the model's device
+        out = super()._apply(fn, recurse)
+        self._retie_rotary()
+        return out
+
+    def extra_repr(self) -> str:
+        return f"{self.qcfg.label()}, dtype={str(self.dtype).replace('torch.', '')}"

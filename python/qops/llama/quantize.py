@@ -1,0 +1,267 @@
+"""``quantize``: a Hugging Face ``LlamaForCausalLM`` -> ``QuantizedLlamaForCausalLM``, with
+optional calibration (SmoothQuant smoothing, static activation scales, static KV scales).
+
+Calibration runs the *unquantized* tree (same modules, float linears, float cache) on the
+calibration tokens and records, per layer, the per-channel absolute maxima of the inputs of the
+four linears and of the post-RoPE keys and the values. SmoothQuant (Xiao et al. 2023) then picks
+per input channel ``k``::
+
+    s_k = amax(|X[:, k]|) ** alpha / amax(|W[:, k]|) ** (1 - alpha)
+    X' = X / s,  W' = W * s        (X' W'^T == X W^T)
+
+and folds ``1 / s`` into the op that produces ``X``: the RMSNorm weight for qkv and gate/up,
+the up projection's rows for down, the v projection's rows for o (``s`` then has to be shared by
+the query heads of one kv head: it is computed from the group's maxima). See docs/llama.md.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from .cache import HalfPagedKVCache
+from .config import LlamaArgs, QuantConfig
+from .model import QuantizedLlamaForCausalLM
+
+# linear key -> Hugging Face weight names (rows concatenated in this order)
+LINEARS = {
+    "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "o": ("self_attn.o_proj",),
+    "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+    "down": ("mlp.down_proj",),
+}
+
+
+# ---- Hugging Face model -> float weights --------------------------------------------------------
+def hf_parts(model):
+    """``(state_dict, LlamaArgs, inv_freq, attention_scaling)`` of a ``LlamaForCausalLM``."""
+    cfg = getattr(model, "config", None)
+    if cfg is None or not hasattr(getattr(model, "model", None), "layers"):
+        raise TypeError(f"qops.llama.quantize expects a transformers LlamaForCausalLM, got {type(model).__name__}")
+    if getattr(cfg, "model_type", "llama") != "llama":
+        raise NotImplementedError(f"qops.llama: model_type {cfg.model_type!r} is not supported (Llama only)")
+    if getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False):
+        raise NotImplementedError("qops.llama: Llama variants with biases are not supported")
+    args = LlamaArgs.from_hf(cfg)
+    sd = {k: v for k, v in model.state_dict().items()}
+    if "lm_head.weight" not in sd or args.tie_word_embeddings:
+        sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
+    rot = getattr(getattr(model, "model", None), "rotary_emb", None)
+    inv_freq = getattr(rot, "inv_freq", None)
+    scaling = float(getattr(rot, "attention_scaling", 1.0) or 1.0)
+    if inv_freq is not None and inv_freq.device.type == "meta":
+        inv_freq = None
+    return sd, args, inv_freq, scaling
+
+
+# ---- calibration --------------------------------------------------------------------------------
+class _ObservingCache(HalfPagedKVCache):
+    """A float cache that records per-layer, per-channel amax of K (post-RoPE) and V ``[H_kv, D]``."""
+
+    def __init__(self, *a, stats: dict, **k) -> None:
+        super().__init__(*a, **k)
+        self.stats = stats
+
+    def write(self, i, key, value, slot_mapping) -> None:
+        for name, x in (("k", key), ("v", value)):
+            m = x.detach().float().abs().amax(0)  # [H_kv, D]
+            key_ = f"layers.{i}.{name}"
+            self.stats[key_] = torch.maximum(self.stats[key_], m) if key_ in self.stats else m
+        super().write(i, key, value, slot_mapping)
+
+
+def _windows(tokens, seq_len: int) -> list[torch.Tensor]:
+    t = torch.as_tensor(tokens, dtype=torch.long)
+    if t.dim() == 2:
+        return [r for r in t]
+    t = t.flatten()
+    n = max(1, t.numel() // seq_len)
+    return [t[i * seq_len:(i + 1) * seq_len] for i in range(n) if t[i * seq_len:(i + 1) * seq_len].numel() > 1]
+
+
+@torch.no_grad()
+def calibrate(sd: dict, args: LlamaArgs, tokens, *, seq_len: int = 512, batch_size: int = 4, device=None,
+              dtype: torch.dtype | None = None, inv_freq=None, attention_scaling: float = 1.0,
+              progress: bool = True) -> dict[str, torch.Tensor]:
+    """Run the unquantized tree on ``tokens`` (int ``[N]``, split into windows of ``seq_len``, or
+    ``[B, S]``) and return per-channel amax statistics (float32, on the CPU):
+
+    ``layers.{i}.{qkv,o,gate_up,down}``: ``[K]`` of each linear's input;
+    ``layers.{i}.{k,v}``: ``[H_kv, D]`` of the cached keys (after RoPE) and values.
+    """
+    device = torch.device(device) if device is not None else sd["model.embed_tokens.weight"].device
+    if dtype is None:
+        dtype = torch.float32 if device.type == "cpu" else torch.float16
+    fcfg = QuantConfig(weights=False, kv_cache="fp16")
+    tree = QuantizedLlamaForCausalLM.from_state_dict(sd, args, fcfg, dtype=dtype, device=device,
+                                                     inv_freq=inv_freq, attention_scaling=attention_scaling)
+    stats: dict[str, torch.Tensor] = {}
+    hooks = []
+    for i, layer in enumerate(tree.layers):
+        mods = {"qkv": layer.self_attn.qkv_proj, "o": layer.self_attn.o_proj,
+                "gate_up": layer.mlp.gate_up_proj, "down": layer.mlp.down_proj}
+        for key, mod in mods.items():
+            def hook(_m, inp, key=f"layers.{i}.{key}"):
+                m = inp[0].detach().float().abs().amax(0)
+                stats[key] = torch.maximum(stats[key], m) if key in stats else m
+            hooks.append(mod.register_forward_pre_hook(hook))
+    wins = _windows(tokens, seq_len)
+    batches = [wins[i:i + batch_size] for i in range(0, len(wins), batch_size)]
+    it: Iterable = batches
+    if progress:
+        try:
+            from tqdm.auto import tqdm
+            it = tqdm(batches, desc="calibrating", unit="batch", leave=False)
+        except ImportError:
+            pass
+    try:
+        for batch in it:
+            lens = [int(w.numel()) for w in batch]
+            nblocks = sum(-(-n // fcfg.block_size) for n in lens)
+            cache = _ObservingCache(args.num_layers, args.num_kv_heads, args.head_dim, nblocks, fcfg.block_size,
+                                    device=device, dtype=dtype, stats=stats)
+            tree.step([w.tolist() for w in batch], list(range(len(batch))), cache, last_only=True)
+    finally:
+        for h in hooks:
+            h.remove()
+    return {k: v.cpu() for k, v in stats.items()}
+
+
+# ---- SmoothQuant --------------------------------------------------------------------------------
+def smooth_factors(act_amax: torch.Tensor, weight: torch.Tensor, alpha: float,
+                   groups: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """Per-input-channel factors ``s [K]`` for a linear with float ``weight [N, K]``.
+
+    ``groups = (H_kv, G, D)``: the K channels are ``[H_kv, G, D]`` and ``s`` must not depend on
+    ``G`` (o_proj, whose factor is folded into v_proj's ``[H_kv, D]`` rows).
+    """
+    a = act_amax.float().clamp(min=1e-5)
+    w = weight.float().abs().amax(0).clamp(min=1e-5)
+    if groups is not None:
+        hkv, g, d = groups
+        a = a.view(hkv, g, d).amax(1, keepdim=True).expand(hkv, g, d).reshape(-1)
+        w = w.view(hkv, g, d).amax(1, keepdim=True).expand(hkv, g, d).reshape(-1)
+    s = a.pow(alpha) / w.pow(1.0 - alpha)
+    s = torch.where(act_amax.float() > 0, s, torch.ones_like(s))  # dead channels: leave alone
+    return s.clamp(min=1e-5)
+
+
+def apply_smoothing(sd: dict, args: LlamaArgs, stats: dict, alpha: float, targets: Iterable[str]) -> tuple[dict, dict]:
+    """Return ``(sd', factors)``: a shallow copy of ``sd`` with smoothed (float32) tensors, and
+    ``factors["layers.{i}.{target}"] = s [K]`` (the activation seen by the linear is ``X / s``)."""
+    sd = dict(sd)
+    factors = {}
+    hkv, d, g = args.num_kv_heads, args.head_dim, args.num_heads // args.num_kv_heads
+    for i in range(args.num_layers):
+        p = f"model.layers.{i}."
+
+        def get(n):
+            return sd[p + n + ".weight"].float()
+
+        def put(n, t, like):
+            sd[p + n + ".weight"] = t.to(like.dtype)
+
+        for tgt in targets:
+            a = stats[f"layers.{i}.{tgt}"]
+            if tgt in ("qkv", "gate_up"):
+                names = LINEARS[tgt]
+                ws = [get(n) for n in names]
+                s = smooth_factors(a, torch.cat(ws), alpha).to(ws[0].device)
+                norm = "input_layernorm" if tgt == "qkv" else "post_attention_layernorm"
+                put(norm, get(norm) / s, sd[p + norm + ".weight"])
+                for n, w in zip(names, ws):
+                    put(n, w * s[None, :], sd[p + n + ".weight"])
+            elif tgt == "down":
+                w = get("mlp.down_proj")
+                s = smooth_factors(a, w, alpha).to(w.device)
+                put("mlp.up_proj", get("mlp.up_proj") / s[:, None], sd[p + "mlp.up_proj.weight"])
+                put("mlp.down_proj", w * s[None, :], sd[p + "mlp.down_proj.weight"])
+            elif tgt == "o":
+                w = get("self_attn.o_proj")
+                s = smooth_factors(a, w, alpha, groups=(hkv, g, d)).to(w.device)
+                s_kv = s.view(hkv, g, d)[:, 0, :].reshape(-1)
+                put("self_attn.v_proj", get("self_attn.v_proj") / s_kv[:, None], sd[p + "self_attn.v_proj.weight"])
+                put("self_attn.o_proj", w * s[None, :], sd[p + "self_attn.o_proj.weight"])
+            factors[f"layers.{i}.{tgt}"] = s.cpu()
+    return sd, factors
+
+
+# ---- the entry points ---------------------------------------------------------------------------
+def quantize(model, calibration_tokens=None, config: QuantConfig | None = None, *, dtype: torch.dtype | None = None,
+             device=None, calib_seq_len: int = 512, calib_batch_size: int = 4, progress: bool = True,
+             stats: dict | None = None, **overrides) -> QuantizedLlamaForCausalLM:
+    """Quantize a Hugging Face ``LlamaForCausalLM`` into a ``QuantizedLlamaForCausalLM``.
+
+    The result is a new module tree; ``model`` is left unchanged (the float weights are read,
+    int8 weights with per-output-channel scales produced from them).
+
+    Args:
+        model: a ``transformers.LlamaForCausalLM`` (fp16, bf16 or fp32) on any device.
+        calibration_tokens: int token ids ``[N]`` or ``[B, S]``; needed for SmoothQuant and for
+            static scales (activations or KV), unused otherwise.
+        config: a ``QuantConfig`` (default: W8A8 with dynamic per-token activations and the int8
+            KV cache with dynamic scales); keyword ``overrides`` replace its fields, e.g.
+            ``quantize(m, toks, smoothquant=True, smooth_alpha=0.8)``.
+        dtype: activation dtype (float16 or bfloat16; float32 only for float-only variants);
+            default: the model's if half, else float16.
+        device: where the quantized model lives (default: the model's device).
+        calib_seq_len, calib_batch_size: how calibration tokens are windowed and batched.
+        progress: tqdm progress bars (calibration, quantization).
+        stats: precomputed ``calibrate`` statistics (skips the calibration run).
+    """
+    import dataclasses
+
+    qcfg = config or QuantConfig()
+    if overrides:
+        qcfg = dataclasses.replace(qcfg, **overrides)
+    sd, args, inv_freq, scaling = hf_parts(model)
+    return quantize_state_dict(sd, args, qcfg, calibration_tokens=calibration_tokens, dtype=dtype, device=device,
+                               calib_seq_len=calib_seq_len, calib_batch_size=calib_batch_size, progress=progress,
+                               stats=stats, inv_freq=inv_freq, attention_scaling=scaling)
+
+
+def quantize_state_dict(sd: dict, args: LlamaArgs, qcfg: QuantConfig, *, calibration_tokens=None,
+                        dtype: torch.dtype | None = None, device=None, calib_seq_len: int = 512,
+                        calib_batch_size: int = 4, progress: bool = False, stats: dict | None = None,
+                        inv_freq: torch.Tensor | None = None, attention_scaling: float = 1.0
+                        ) -> QuantizedLlamaForCausalLM:
+    """``quantize`` from float weights with Hugging Face names and a ``LlamaArgs`` (no
+    transformers needed). Arguments as ``quantize``'s."""
+    mdtype = sd["model.embed_tokens.weight"].dtype
+    if dtype is None:
+        dtype = mdtype if mdtype in (torch.float16, torch.bfloat16) else torch.float16
+    if qcfg.weights and dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"qops.llama: W8A8 models run in float16 or bfloat16, got dtype={dtype}")
+    if qcfg.kv_cache == "int8" and dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"qops.llama: the int8 KV cache takes float16 or bfloat16 K/V, got dtype={dtype}")
+    device = torch.device(device) if device is not None else sd["model.embed_tokens.weight"].device
+
+    if qcfg.needs_calibration and stats is None:
+        if calibration_tokens is None:
+            raise ValueError(f"qops.llama.quantize: {qcfg.label()} (SmoothQuant or static scales) needs "
+                             "calibration_tokens")
+        stats = calibrate(sd, args, calibration_tokens, seq_len=calib_seq_len, batch_size=calib_batch_size,
+                          device=device, inv_freq=inv_freq, attention_scaling=attention_scaling, progress=progress)
+    factors: dict = {}
+    if qcfg.weights and qcfg.smoothquant:
+        sd, factors = apply_smoothing(sd, args, stats, qcfg.smooth_alpha, qcfg.smooth_targets)
+        if "o" in qcfg.smooth_targets:  # V was rescaled: its statistics with it
+            stats = dict(stats)
+            for i in range(args.num_layers):
+                s = factors[f"layers.{i}.o"].view(args.num_kv_heads, -1, args.head_dim)[:, 0, :]
+                stats[f"layers.{i}.v"] = stats[f"layers.{i}.v"] / s
+    input_scales = None
+    if qcfg.weights and qcfg.activations == "static":
+        input_scales = {}
+        for key in ("qkv", "o", "gate_up", "down"):
+            for i in range(args.num_layers):
+                k = f"layers.{i}.{key}"
+                a = stats[k] / factors[k] if k in factors else stats[k]
+                input_scales[k] = max(float(a.max()) / 127.0, 1e-10)
+    qmodel = QuantizedLlamaForCausalLM.from_state_dict(sd, args, qcfg, dtype=dtype, device=device,
+                                                       inv_freq=inv_freq, attention_scaling=attention_scaling,
+                                                       input_scales=input_scales, progress=progress)
+    if qcfg.kv_cache == "int8" and qcfg.kv_scales == "static":
+        qmodel.kv_scales = ([max(float(stats[f"layers.{i}.k"].max()) / 127.0, 1e-10) for i in range(args.num_layers)],
+                            [max(float(stats[f"layers.{i}.v"].max()) / 127.0, 1e-10) for i in range(args.num_layers)])
+    return qmodel.eval()
