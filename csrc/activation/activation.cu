@@ -125,31 +125,8 @@ cudaError_t launch(const ActParams& p, const fq::RowShape& sh, cudaStream_t stre
 
 template <typename T, int VEC>
 cudaError_t dispatch_nv(const ActParams& p, const fq::RowShape& sh, cudaStream_t stream) {
-  if constexpr (VEC > 1) {
-    switch (sh.vec_per_thread) {
-      case 1: return launch<T, VEC, 1>(p, sh, stream);
-      case 2: return launch<T, VEC, 2>(p, sh, stream);
-      case 3: return launch<T, VEC, 3>(p, sh, stream);
-      case 4: return launch<T, VEC, 4>(p, sh, stream);
-      case 5: return launch<T, VEC, 5>(p, sh, stream);
-      case 6: return launch<T, VEC, 6>(p, sh, stream);
-      case 7: return launch<T, VEC, 7>(p, sh, stream);
-      case 8: return launch<T, VEC, 8>(p, sh, stream);
-      default: return cudaErrorInvalidValue;
-    }
-  } else {
-    int nv = 1;
-    while (nv < sh.vec_per_thread) nv *= 2;
-    switch (nv) {
-      case 1: return launch<T, 1, 1>(p, sh, stream);
-      case 2: return launch<T, 1, 2>(p, sh, stream);
-      case 4: return launch<T, 1, 4>(p, sh, stream);
-      case 8: return launch<T, 1, 8>(p, sh, stream);
-      case 16: return launch<T, 1, 16>(p, sh, stream);
-      case 32: return launch<T, 1, 32>(p, sh, stream);
-      default: return cudaErrorInvalidValue;
-    }
-  }
+  return fq::dispatch_vec_per_thread<VEC>(
+      sh.vec_per_thread, [&](auto nv) { return launch<T, VEC, decltype(nv)::value>(p, sh, stream); });
 }
 
 }  // namespace

@@ -14,6 +14,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <type_traits>
 
 #include "common/cuda_utils.cuh"
 
@@ -362,6 +363,39 @@ cudaError_t launch_rows(Kernel kernel, const Params& p, const RowShape& sh, int6
     cfg.numAttrs = 1;
   }
   return cudaLaunchKernelEx(&cfg, kernel, p);
+}
+
+
+// Calls `f(std::integral_constant<int, NV>{})` for the run-time vectors-per-thread count, so each
+// kernel is instantiated for the NV values its launch heuristic can choose: 1..8 on the 16-byte
+// vector path (VEC > 1), powers of two up to 32 on the scalar path (VEC == 1, NV rounded up).
+template <int VEC, typename F>
+cudaError_t dispatch_vec_per_thread(int vec_per_thread, F&& f) {
+  if constexpr (VEC > 1) {
+    switch (vec_per_thread) {
+      case 1: return f(std::integral_constant<int, 1>{});
+      case 2: return f(std::integral_constant<int, 2>{});
+      case 3: return f(std::integral_constant<int, 3>{});
+      case 4: return f(std::integral_constant<int, 4>{});
+      case 5: return f(std::integral_constant<int, 5>{});
+      case 6: return f(std::integral_constant<int, 6>{});
+      case 7: return f(std::integral_constant<int, 7>{});
+      case 8: return f(std::integral_constant<int, 8>{});
+      default: return cudaErrorInvalidValue;
+    }
+  } else {
+    int nv = 1;
+    while (nv < vec_per_thread) nv *= 2;
+    switch (nv) {
+      case 1: return f(std::integral_constant<int, 1>{});
+      case 2: return f(std::integral_constant<int, 2>{});
+      case 4: return f(std::integral_constant<int, 4>{});
+      case 8: return f(std::integral_constant<int, 8>{});
+      case 16: return f(std::integral_constant<int, 16>{});
+      case 32: return f(std::integral_constant<int, 32>{});
+      default: return cudaErrorInvalidValue;
+    }
+  }
 }
 
 }  // namespace fq

@@ -162,7 +162,102 @@ def reshape_and_cache_int8(
 
 
 # ---- the cache manager --------------------------------------------------------------------------
-class PagedKVCache:
+class BlockAllocator:
+    """Block bookkeeping of a paged KV cache: which blocks each sequence owns, its length, and the
+    slot mapping / block tables / lengths tensors the cache-write and decode ops take.
+
+    Blocks are handed out lowest id first; a sequence owns the same block ids in every layer, so
+    one ``block_tables`` / ``seq_lens`` pair serves every layer of a step. ``PagedKVCache`` (int8)
+    and the Llama's float cache share this class, so they allocate identically.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, device: torch.device | str = "cpu") -> None:
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.device = torch.device(device)
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out 0, 1, ...
+        self._blocks: dict[Hashable, list[int]] = {}
+        self._lens: dict[Hashable, int] = {}
+
+    @property
+    def _name(self) -> str:
+        return type(self).__name__
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def sequences(self) -> list[Hashable]:
+        return list(self._lens)
+
+    def seq_len(self, seq_id: Hashable) -> int:
+        return self._lens[seq_id]
+
+    def blocks(self, seq_id: Hashable) -> list[int]:
+        return list(self._blocks[seq_id])
+
+    def can_append(self, seq_ids: Sequence[Hashable], num_tokens: Sequence[int]) -> bool:
+        """True when ``append_slots(seq_ids, num_tokens)`` would find enough free blocks."""
+        need = 0
+        for sid, n in zip(seq_ids, num_tokens):
+            cur = self._lens.get(sid, 0)
+            have = len(self._blocks.get(sid, ()))
+            need += max(0, -(-(cur + n) // self.block_size) - have)
+        return need <= len(self._free)
+
+    def append_slots(self, seq_ids: Sequence[Hashable], num_tokens: Sequence[int] | int = 1) -> torch.Tensor:
+        """Reserve slots for ``num_tokens[i]`` new tokens at the end of sequence ``seq_ids[i]``.
+
+        Unknown sequence ids are added (empty). Blocks are allocated as needed; the sequences'
+        lengths grow by ``num_tokens``. Returns the slot mapping, int64 ``[sum(num_tokens)]`` on the
+        cache's device, tokens in the order of ``seq_ids`` (the order of the rows of ``key`` and
+        ``value`` given to ``write``). Raises ``RuntimeError`` (and changes nothing) when the free
+        blocks do not suffice.
+        """
+        if isinstance(num_tokens, int):
+            num_tokens = [num_tokens] * len(seq_ids)
+        check(len(num_tokens) == len(seq_ids), f"{self._name}.append_slots",
+              f"num_tokens must have {len(seq_ids)} entries, got {len(num_tokens)}")
+        check(len(set(seq_ids)) == len(seq_ids), f"{self._name}.append_slots", "seq_ids must be distinct")
+        check(all(n >= 0 for n in num_tokens), f"{self._name}.append_slots", "num_tokens must be >= 0")
+        check(self.can_append(seq_ids, num_tokens), f"{self._name}.append_slots",
+              f"out of cache blocks ({len(self._free)} free of {self.num_blocks})", RuntimeError)
+        bs = self.block_size
+        slots: list[int] = []
+        for sid, n in zip(seq_ids, num_tokens):
+            blocks = self._blocks.setdefault(sid, [])
+            cur = self._lens.setdefault(sid, 0)
+            while len(blocks) * bs < cur + n:
+                blocks.append(self._free.pop())
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(cur, cur + n))
+            self._lens[sid] = cur + n
+        return torch.tensor(slots, dtype=torch.int64, device=self.device)
+
+    def free(self, seq_id: Hashable) -> None:
+        """Return a sequence's blocks to the free list and forget it."""
+        self._free.extend(reversed(self._blocks.pop(seq_id)))
+        del self._lens[seq_id]
+
+    def reset(self) -> None:
+        """Free every sequence (the cache contents are left as they are)."""
+        for sid in list(self._lens):
+            self.free(sid)
+
+    def block_tables(self, seq_ids: Sequence[Hashable], max_blocks: int | None = None) -> torch.Tensor:
+        """int32 ``[B, max_blocks]`` block ids of the sequences, padded with 0 (never read: the
+        decode reads only the first ``seq_lens[b]`` tokens). ``max_blocks`` defaults to the longest
+        sequence's block count (at least 1); give a fixed value for CUDA graphs."""
+        lists = [self._blocks[sid] for sid in seq_ids]
+        width = max([len(b) for b in lists] + [1]) if max_blocks is None else max_blocks
+        check(all(len(b) <= width for b in lists), f"{self._name}.block_tables",
+              f"max_blocks={width} is smaller than a sequence's block count")
+        rows = [b + [0] * (width - len(b)) for b in lists]
+        return torch.tensor(rows, dtype=torch.int32, device=self.device).reshape(len(seq_ids), width)
+
+    def seq_lens(self, seq_ids: Sequence[Hashable]) -> torch.Tensor:
+        """int32 ``[B]`` current lengths (including tokens whose slots were just appended)."""
+        return torch.tensor([self._lens[sid] for sid in seq_ids], dtype=torch.int32, device=self.device)
+
+class PagedKVCache(BlockAllocator):
     """The int8 KV caches of ``num_layers`` layers, with block allocation per sequence.
 
     All layers share one block allocation: a sequence owns the same block ids in every layer, so
@@ -205,9 +300,8 @@ class PagedKVCache:
               "num_layers, num_kv_heads and num_blocks must be >= 1")
         check(head_dim >= 16 and head_dim % 16 == 0, op, f"head_dim must be a multiple of 16, got {head_dim}")
         check((k_scale is None) == (v_scale is None), op, "give both k_scale and v_scale, or neither")
+        super().__init__(num_blocks, block_size, device)
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
-        self.num_blocks, self.block_size = num_blocks, block_size
-        self.device = torch.device(device)
         self.static = k_scale is not None
         shape = (num_layers, num_blocks, num_kv_heads, block_size, head_dim)
         self.k_cache = torch.zeros(shape, dtype=torch.int8, device=self.device)
@@ -219,9 +313,6 @@ class PagedKVCache:
             sshape = (num_layers, num_blocks, num_kv_heads, block_size)
             self.k_scales = torch.ones(sshape, dtype=torch.float32, device=self.device)
             self.v_scales = torch.ones(sshape, dtype=torch.float32, device=self.device)
-        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out 0, 1, ...
-        self._blocks: dict[Hashable, list[int]] = {}
-        self._lens: dict[Hashable, int] = {}
 
     def _static_scales(self, scale, name: str) -> torch.Tensor:
         vals = [float(scale)] * self.num_layers if isinstance(scale, (int, float)) else [float(s) for s in scale]
@@ -239,78 +330,3 @@ class PagedKVCache:
         """``reshape_and_cache_int8`` into layer ``i``."""
         reshape_and_cache_int8(key, value, *self.layer(i), slot_mapping)
 
-    # -- sequences and blocks
-    @property
-    def num_free_blocks(self) -> int:
-        return len(self._free)
-
-    def sequences(self) -> list[Hashable]:
-        return list(self._lens)
-
-    def seq_len(self, seq_id: Hashable) -> int:
-        return self._lens[seq_id]
-
-    def blocks(self, seq_id: Hashable) -> list[int]:
-        return list(self._blocks[seq_id])
-
-    def can_append(self, seq_ids: Sequence[Hashable], num_tokens: Sequence[int]) -> bool:
-        """True when ``append_slots(seq_ids, num_tokens)`` would find enough free blocks."""
-        need = 0
-        for sid, n in zip(seq_ids, num_tokens):
-            cur = self._lens.get(sid, 0)
-            have = len(self._blocks.get(sid, ()))
-            need += max(0, -(-(cur + n) // self.block_size) - have)
-        return need <= len(self._free)
-
-    def append_slots(self, seq_ids: Sequence[Hashable], num_tokens: Sequence[int] | int = 1) -> torch.Tensor:
-        """Reserve slots for ``num_tokens[i]`` new tokens at the end of sequence ``seq_ids[i]``.
-
-        Unknown sequence ids are added (empty). Blocks are allocated as needed; the sequences'
-        lengths grow by ``num_tokens``. Returns the slot mapping, int64 ``[sum(num_tokens)]`` on the
-        cache's device, tokens in the order of ``seq_ids`` (the order of the rows of ``key`` and
-        ``value`` given to ``write``). Raises ``RuntimeError`` (and changes nothing) when the free
-        blocks do not suffice.
-        """
-        if isinstance(num_tokens, int):
-            num_tokens = [num_tokens] * len(seq_ids)
-        check(len(num_tokens) == len(seq_ids), "PagedKVCache.append_slots",
-              f"num_tokens must have {len(seq_ids)} entries, got {len(num_tokens)}")
-        check(len(set(seq_ids)) == len(seq_ids), "PagedKVCache.append_slots", "seq_ids must be distinct")
-        check(all(n >= 0 for n in num_tokens), "PagedKVCache.append_slots", "num_tokens must be >= 0")
-        check(self.can_append(seq_ids, num_tokens), "PagedKVCache.append_slots",
-              f"out of cache blocks ({len(self._free)} free of {self.num_blocks})", RuntimeError)
-        bs = self.block_size
-        slots: list[int] = []
-        for sid, n in zip(seq_ids, num_tokens):
-            blocks = self._blocks.setdefault(sid, [])
-            cur = self._lens.setdefault(sid, 0)
-            while len(blocks) * bs < cur + n:
-                blocks.append(self._free.pop())
-            slots.extend(blocks[p // bs] * bs + p % bs for p in range(cur, cur + n))
-            self._lens[sid] = cur + n
-        return torch.tensor(slots, dtype=torch.int64, device=self.device)
-
-    def free(self, seq_id: Hashable) -> None:
-        """Return a sequence's blocks to the free list and forget it."""
-        self._free.extend(reversed(self._blocks.pop(seq_id)))
-        del self._lens[seq_id]
-
-    def reset(self) -> None:
-        """Free every sequence (the cache contents are left as they are)."""
-        for sid in list(self._lens):
-            self.free(sid)
-
-    def block_tables(self, seq_ids: Sequence[Hashable], max_blocks: int | None = None) -> torch.Tensor:
-        """int32 ``[B, max_blocks]`` block ids of the sequences, padded with 0 (never read: the
-        decode reads only the first ``seq_lens[b]`` tokens). ``max_blocks`` defaults to the longest
-        sequence's block count (at least 1); give a fixed value for CUDA graphs."""
-        lists = [self._blocks[sid] for sid in seq_ids]
-        width = max([len(b) for b in lists] + [1]) if max_blocks is None else max_blocks
-        check(all(len(b) <= width for b in lists), "PagedKVCache.block_tables",
-              f"max_blocks={width} is smaller than a sequence's block count")
-        rows = [b + [0] * (width - len(b)) for b in lists]
-        return torch.tensor(rows, dtype=torch.int32, device=self.device).reshape(len(seq_ids), width)
-
-    def seq_lens(self, seq_ids: Sequence[Hashable]) -> torch.Tensor:
-        """int32 ``[B]`` current lengths (including tokens whose slots were just appended)."""
-        return torch.tensor([self._lens[sid] for sid in seq_ids], dtype=torch.int32, device=self.device)

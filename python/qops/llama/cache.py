@@ -13,11 +13,11 @@ slots), so the attention module does not care which one it has.
 """
 from __future__ import annotations
 
-from typing import Hashable, Sequence
+from typing import Sequence
 
 import torch
 
-from ..kv_cache import PagedKVCache
+from ..kv_cache import BlockAllocator, PagedKVCache
 from .config import LlamaArgs, QuantConfig
 
 
@@ -51,9 +51,9 @@ class Int8PagedKVCache(PagedKVCache):
         return per
 
 
-class HalfPagedKVCache:
-    """A paged KV cache in a float dtype, with ``PagedKVCache``'s interface and block allocation
-    policy (blocks handed out lowest id first, a sequence owns the same blocks in every layer).
+class HalfPagedKVCache(BlockAllocator):
+    """A paged KV cache in a float dtype, with ``PagedKVCache``'s interface and the same block
+    allocation (both are ``qops.kv_cache.BlockAllocator``s).
 
     ``k_cache``, ``v_cache``: ``[L, num_blocks, H_kv, block_size, D]`` in ``dtype``.
     """
@@ -65,71 +65,13 @@ class HalfPagedKVCache:
                  block_size: int = 16, *, device="cpu", dtype: torch.dtype = torch.float16) -> None:
         if num_layers < 1 or num_kv_heads < 1 or num_blocks < 1 or block_size < 1:
             raise ValueError("HalfPagedKVCache: num_layers, num_kv_heads, num_blocks and block_size must be >= 1")
+        super().__init__(num_blocks, block_size, device)
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
-        self.num_blocks, self.block_size = num_blocks, block_size
-        self.device = torch.device(device)
         shape = (num_layers, num_blocks, num_kv_heads, block_size, head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         self.k_scales = self.v_scales = None
         self.dtype = dtype
-        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
-        self._blocks: dict[Hashable, list[int]] = {}
-        self._lens: dict[Hashable, int] = {}
-
-    # -- allocation (the same contract as qops.kv_cache.PagedKVCache)
-    @property
-    def num_free_blocks(self) -> int:
-        return len(self._free)
-
-    def sequences(self) -> list:
-        return list(self._lens)
-
-    def seq_len(self, seq_id: Hashable) -> int:
-        return self._lens[seq_id]
-
-    def can_append(self, seq_ids: Sequence[Hashable], num_tokens: Sequence[int]) -> bool:
-        need = 0
-        for sid, n in zip(seq_ids, num_tokens):
-            cur, have = self._lens.get(sid, 0), len(self._blocks.get(sid, ()))
-            need += max(0, -(-(cur + n) // self.block_size) - have)
-        return need <= len(self._free)
-
-    def append_slots(self, seq_ids: Sequence[Hashable], num_tokens: Sequence[int] | int = 1) -> torch.Tensor:
-        """Reserve slots for new tokens at the end of each sequence; int64 ``[sum(num_tokens)]``."""
-        if isinstance(num_tokens, int):
-            num_tokens = [num_tokens] * len(seq_ids)
-        if len(set(seq_ids)) != len(seq_ids) or len(num_tokens) != len(seq_ids):
-            raise ValueError("HalfPagedKVCache.append_slots: seq_ids must be distinct, one count each")
-        if not self.can_append(seq_ids, num_tokens):
-            raise RuntimeError(f"HalfPagedKVCache.append_slots: out of cache blocks ({len(self._free)} free "
-                               f"of {self.num_blocks})")
-        bs, slots = self.block_size, []
-        for sid, n in zip(seq_ids, num_tokens):
-            blocks = self._blocks.setdefault(sid, [])
-            cur = self._lens.setdefault(sid, 0)
-            while len(blocks) * bs < cur + n:
-                blocks.append(self._free.pop())
-            slots.extend(blocks[p // bs] * bs + p % bs for p in range(cur, cur + n))
-            self._lens[sid] = cur + n
-        return torch.tensor(slots, dtype=torch.int64, device=self.device)
-
-    def free(self, seq_id: Hashable) -> None:
-        self._free.extend(reversed(self._blocks.pop(seq_id)))
-        del self._lens[seq_id]
-
-    def reset(self) -> None:
-        for sid in list(self._lens):
-            self.free(sid)
-
-    def block_tables(self, seq_ids: Sequence[Hashable], max_blocks: int | None = None) -> torch.Tensor:
-        lists = [self._blocks[sid] for sid in seq_ids]
-        width = max([len(b) for b in lists] + [1]) if max_blocks is None else max_blocks
-        rows = [b + [0] * (width - len(b)) for b in lists]
-        return torch.tensor(rows, dtype=torch.int32, device=self.device).reshape(len(seq_ids), width)
-
-    def seq_lens(self, seq_ids: Sequence[Hashable]) -> torch.Tensor:
-        return torch.tensor([self._lens[sid] for sid in seq_ids], dtype=torch.int32, device=self.device)
 
     # -- storage
     def layer(self, i: int):
