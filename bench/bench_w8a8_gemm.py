@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import qops
-from qops.bench_utils import bar_plot, bench_us, l2_rotation_sets, print_table, write_csv
+from qops.bench_utils import bench_us, line_grid_plot, l2_rotation_sets, print_table, write_csv
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "cutlass_kernels"))
 import w8a8_configs as table
@@ -123,11 +123,9 @@ def main() -> None:
                   + "  ".join(f"{k_}={v:.2f}" for k_, v in r.items() if k_.startswith("vs_")), flush=True)
 
     write_csv(rows, os.path.join(args.out, "bench_w8a8_gemm.csv"))
-    for r in rows:
-        r["shape"] = f"{r['layer']} M={r['M']}"
-    bar_plot(rows, "shape", ["TOPs", "linear_bf16_TOPs", "int_mm_dequant_TOPs", "fp8_rowwise_TOPs"],
-             f"w8a8_gemm (bf16 out) vs anchors, {torch.cuda.get_device_name()}", "TOP/s (2MNK / time)",
-             os.path.join(args.out, "bench_w8a8_gemm.png"))
+    line_grid_plot(rows, "layer", "M", ["TOPs", "linear_bf16_TOPs", "int_mm_dequant_TOPs", "fp8_rowwise_TOPs"],
+                   f"w8a8_gemm (bf16 out) vs anchors, {torch.cuda.get_device_name()}", "TOP/s (2MNK / time)",
+                   os.path.join(args.out, "bench_w8a8_gemm.png"))
     if sweep:
         write_csv(sweep, os.path.join(args.out, "bench_w8a8_sweep.csv"))
         print("\n== tile config sweep (us per call)")

@@ -142,3 +142,46 @@ def bar_plot(rows: Sequence[dict], label_key: str, value_keys: Sequence[str], ti
     fig.savefig(path, dpi=120)
     plt.close(fig)
     print(f"wrote {path}")
+
+
+def line_grid_plot(rows: Sequence[dict], group_key: str, x_key: str, value_keys: Sequence[str], title: str,
+                   ylabel: str, path: str, *, logx: bool = True) -> None:
+    """One small line chart per ``group_key`` value (e.g. per layer shape), ``x_key`` on the x axis
+    (e.g. M) and one line per ``value_keys`` entry: readable where a bar chart of every
+    (shape, M) pair is not. Skipped with a note when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib not installed: skipped plot {path}")
+        return
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(str(r[group_key]), []).append(r)
+    n = len(groups)
+    cols = min(4, n)
+    nrows = -(-n // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.2 * nrows), squeeze=False)
+    for ax, (g, rs) in zip(axes.flat, groups.items()):
+        rs = sorted(rs, key=lambda r: float(r[x_key]))
+        xs = [float(r[x_key]) for r in rs]
+        for k in value_keys:
+            ys = [float(r[k]) for r in rs]
+            ax.plot(xs, ys, marker="o", markersize=3, label=k)
+        if logx:
+            ax.set_xscale("log", base=2)
+        ax.set_title(g, fontsize=9)
+        ax.set_xlabel(x_key, fontsize=8)
+        ax.set_ylabel(ylabel, fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[n:]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}")
