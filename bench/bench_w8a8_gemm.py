@@ -4,9 +4,11 @@ Anchors: bf16 ``F.linear`` (cuBLAS), ``torch._int_mm`` + eager dequant (cuBLASLt
 and fp8 ``torch._scaled_mm`` with row-wise scales (cuBLASLt). Reports TOP/s (2MNK per call), GB/s of
 the bytes that must move (operands, scales, output) and each anchor's time over ours (> 1: we are
 faster). ``--sweep`` also times every generated tile config, to tune ``SELECTION`` in
-cutlass_kernels/w8a8_configs.py.
+cutlass_kernels/w8a8_configs.py. ``--epilogues`` compares the epilogues against each other: per-tensor
+vs per-token x per-channel vs per-token x per-channel + bias, and fp16 vs bf16 out (the per-token
+epilogue's cost over per-tensor at large M is a target: <= 3%).
 
-    python bench/bench_w8a8_gemm.py --out bench/out [--sweep] [--quick]
+    python bench/bench_w8a8_gemm.py --out bench/out [--sweep] [--epilogues] [--quick]
 """
 from __future__ import annotations
 
@@ -24,12 +26,14 @@ from qops.bench_utils import bench_us, line_grid_plot, l2_rotation_sets, print_t
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "cutlass_kernels"))
 import w8a8_configs as table
 
-# (layer, N, K): Llama-3-8B, and Llama-2-70B with tensor parallelism 8.
+# (layer, N, K): Llama-2-7B, Llama-3-8B, and Llama-2-70B with tensor parallelism 8.
 LAYERS = [
+    ("7B.qkv", 12288, 4096), ("7B.o", 4096, 4096), ("7B.gate_up", 22016, 4096), ("7B.down", 4096, 11008),
     ("8B.qkv", 6144, 4096), ("8B.o", 4096, 4096), ("8B.gate_up", 28672, 4096), ("8B.down", 4096, 14336),
     ("70B-tp8.qkv", 1280, 8192), ("70B-tp8.o", 8192, 1024), ("70B-tp8.gate_up", 7168, 8192), ("70B-tp8.down", 8192, 3584),
 ]
-TOKENS = [1, 16, 64, 128, 256, 1024, 4096]
+TOKENS = [1, 16, 64, 128, 256, 1024, 4096, 8192]
+EPILOGUE_TOKENS = [16, 1024, 4096, 8192]
 QUICK_LAYERS, QUICK_TOKENS = ["8B.o", "8B.gate_up", "8B.down"], [1, 16, 128, 4096]
 OUT = torch.bfloat16
 
@@ -47,6 +51,47 @@ def time_ours(m, n, k, config="auto"):
         return lambda: qops.w8a8_gemm(a, b, sa, sb, OUT, config=config)
 
     return bench_us(make, n_sets)
+
+
+def time_epilogue(m, n, k, *, per_tensor: bool, bias: bool, out_dtype: torch.dtype):
+    """One epilogue variant of w8a8_gemm (auto config): scales [1] x [1] or [M] x [N], optional bias."""
+    n_sets = l2_rotation_sets(m * k + n * k + 2 * m * n)
+
+    def make(i):
+        a, b = _int8(m, k), _int8(n, k)
+        sa = torch.rand(1 if per_tensor else m, device="cuda") * 0.02
+        sb = torch.rand(1 if per_tensor else n, device="cuda") * 1e-3
+        bb = torch.randn(n, device="cuda", dtype=out_dtype) if bias else None
+        return lambda: qops.w8a8_gemm(a, b, sa, sb, out_dtype, bb)
+
+    return bench_us(make, n_sets)
+
+
+EPILOGUES = {  # name -> time_epilogue keyword arguments
+    "tensor_bf16": dict(per_tensor=True, bias=False, out_dtype=torch.bfloat16),
+    "token_bf16": dict(per_tensor=False, bias=False, out_dtype=torch.bfloat16),
+    "token_bias_bf16": dict(per_tensor=False, bias=True, out_dtype=torch.bfloat16),
+    "token_fp16": dict(per_tensor=False, bias=False, out_dtype=torch.float16),
+    "tensor_bias_fp16": dict(per_tensor=True, bias=True, out_dtype=torch.float16),
+}
+
+
+def run_epilogues(layers, tokens, out_dir) -> None:
+    """Epilogue variants against each other; ratios are per-tensor time over each variant's."""
+    rows = []
+    for layer, n, k in layers:
+        for m in tokens:
+            us = {name: time_epilogue(m, n, k, **kw) for name, kw in EPILOGUES.items()}
+            r = {"layer": layer, "M": m, "N": n, "K": k}
+            r.update({f"{name}_us": t for name, t in us.items()})
+            r["token_over_tensor"] = us["token_bf16"] / us["tensor_bf16"]
+            r["bias_over_token"] = us["token_bias_bf16"] / us["token_bf16"]
+            r["fp16_over_bf16"] = us["token_fp16"] / us["token_bf16"]
+            rows.append(r)
+    write_csv(rows, os.path.join(out_dir, "bench_w8a8_epilogues.csv"))
+    print("\n== epilogues (us per call; ratios > 1: the variant is slower)")
+    print_table(rows, ["layer", "M", *[f"{n}_us" for n in EPILOGUES], "token_over_tensor", "bias_over_token",
+                       "fp16_over_bf16"])
 
 
 def time_linear(m, n, k):
@@ -93,6 +138,7 @@ def main() -> None:
     p.add_argument("--out", default="bench/out")
     p.add_argument("--sweep", action="store_true", help="also time every generated tile config")
     p.add_argument("--quick", action="store_true", help="a few shapes only")
+    p.add_argument("--epilogues", action="store_true", help="also compare the epilogue variants")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     layers = [l for l in LAYERS if not args.quick or l[0] in QUICK_LAYERS]
@@ -134,6 +180,8 @@ def main() -> None:
             for c in table.config_names():
                 s[short[c]] = s[f"{c}_us"]
         print_table(sweep, ["layer", "M"] + list(short.values()) + ["best", "auto_over_best"])
+    if args.epilogues:
+        run_epilogues(layers, [m for m in EPILOGUE_TOKENS if not args.quick or m in (16, 4096)], args.out)
     print("\n== w8a8_gemm vs anchors (vs_X = X's time / ours)")
     print_table(rows, ["layer", "M", "config", "us", "TOPs", "GBps", "linear_bf16_us", "vs_linear_bf16",
                        "vs_int_mm_dequant", "vs_fp8_rowwise"])
