@@ -78,5 +78,4 @@ echo "==== summary"
 printf '%s\n' "${summary[@]}" | tee "$OUT/summary.txt"
 # The device tool returns at most 8 files: bundle the logs into one archive.
 (cd "$OUT" && tar czf logs.tgz --remove-files ./*.log ./*.txt 2>/dev/null) || true
-printf '%s\n' "${summary[@]}"
 exit $rc_all
