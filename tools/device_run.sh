@@ -57,6 +57,10 @@ so=$(python3 -c "import qops._C as c; print(c.__file__)")
   echo "compilers: $(ls /usr/bin/g++* /usr/bin/c++ 2>/dev/null | tr '\n' ' ') libstdc++ files: $(ls $(dirname $(dirname $(readlink -f $(command -v c++))))/lib*/libstdc++* 2>/dev/null | tr '\n' ' ')"
   echo "stream code defined inside _C (0 expected): $(nm -C --defined-only "$so" | grep -c 'basic_ostream<char, std::char_traits<char> >::_M_insert')"
 } | tee "$OUT/toolchain.txt"
+# Binary size per kernel object (STYLE: track it; CUTLASS instantiations dominate).
+{ echo "_C: $(du -h "$so" | cut -f1)"
+  find build -name '*.cu.o' -printf '%s\t%p\n' 2>/dev/null | sort -rn | awk '{printf "%8.1f KiB  %s\n", $1/1024, $2}'
+} > "$OUT/binary_sizes.txt" || true
 python3 -c "import qops, torch; print('ops:', qops.op_names()); print('cuda kernels:', [n for n in qops.op_names() if qops.has_cuda_kernel(n)])" | tee "$OUT/ops.txt"
 
 rc_all=0
