@@ -20,7 +20,7 @@ std::tuple<at::Tensor, at::Tensor> silu_and_mul_quant_cuda(const at::Tensor& inp
   check_half(input, op, "input");
   QOPS_CHECK_VALUE(input.dim() >= 1 && input.size(-1) > 0 && input.size(-1) % 2 == 0, op,
                    "input's last dimension must be 2*I > 0 (gate then up), got shape ",
-                   fq_glue::dims(input.sizes()));
+                   input.sizes());
   fq_glue::check_scale(scale, input, op);
   const int64_t I = input.size(-1) / 2;
   const int64_t rows = input.numel() / input.size(-1);
@@ -45,8 +45,8 @@ std::tuple<at::Tensor, at::Tensor> silu_and_mul_quant_cuda(const at::Tensor& inp
         scales.data_ptr<float>(), s_in, rows, I, c10::cuda::getCurrentCUDAStream(),
         fq_glue::tuning());
   }
-  QOPS_CHECK_VALUE(err != cudaErrorInvalidValue, op, "unsupported size: I = ", std::to_string(I),
-                   " (rows ", std::to_string(rows), ", row stride ", std::to_string(stride), ")");
+  QOPS_CHECK_VALUE(err != cudaErrorInvalidValue, op, "unsupported size: I = ", I,
+                   " (rows ", rows, ", row stride ", stride, ")");
   check_launch(err, op);
   return {out, scales};
 }

@@ -10,27 +10,13 @@
 
 namespace fq_glue {
 
-// "[a, b, c]" for an error message. The messages in this family never stream a number (or an
-// IntArrayRef) into a TORCH_CHECK: on the GPU machine's build (GCC 13.3 from /opt/gcc, torch
-// 2.11) formatting an integer or a double through std::ostream inside _C.so crashed the process
-// with SIGSEGV (in basic_ostream::_M_insert<long>) instead of raising; std::to_string does not
-// go through the stream's locale facets (docs/norm_activation.md).
-inline std::string dims(c10::IntArrayRef a) {
-  std::string s = "[";
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (i) s += ", ";
-    s += std::to_string(a[i]);
-  }
-  return s + "]";
-}
-
 // Row stride (in elements) of `t` [..., H] seen as rows of H contiguous elements: the last dim
 // must have stride 1 and the leading dims must collapse into one row dimension (sizes-1 dims are
 // ignored). A clear error otherwise.
 inline int64_t row_stride(const at::Tensor& t, const char* op, const char* name) {
   const int64_t H = t.size(-1);
   QOPS_CHECK_VALUE(H == 1 || t.stride(-1) == 1, op, name,
-                   "'s last dimension must be contiguous (stride 1), got strides ", dims(t.strides()));
+                   "'s last dimension must be contiguous (stride 1), got strides ", t.strides());
   int64_t stride = -1, expect = -1;
   for (int64_t d = t.dim() - 2; d >= 0; --d) {
     if (t.size(d) == 1) continue;
@@ -41,7 +27,7 @@ inline int64_t row_stride(const at::Tensor& t, const char* op, const char* name)
     }
     QOPS_CHECK_VALUE(t.stride(d) == expect, op, name,
                      "'s leading dimensions must collapse into rows one stride apart (got shape ",
-                     dims(t.sizes()), ", strides ", dims(t.strides()),
+                     t.sizes(), ", strides ", t.strides(),
                      "); pass a .contiguous() tensor");
     expect *= t.size(d);
   }
@@ -64,7 +50,7 @@ inline void check_scale(const std::optional<at::Tensor>& scale, const at::Tensor
   qops_glue::check_dtype(*scale, at::kFloat, op, "scale");
   QOPS_CHECK_VALUE(scale->numel() == 1, op,
                    "scale must hold one element (a static per-tensor scale), got shape ",
-                   dims(scale->sizes()));
+                   scale->sizes());
 }
 
 // Launch-shape override for tuning (benchmark sweeps): QOPS_FQ_TPR (threads per row to aim for)

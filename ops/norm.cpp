@@ -24,7 +24,7 @@ std::tuple<at::Tensor, at::Tensor> run(const char* op, const at::Tensor& input,
   const int64_t res_stride = residual ? fq_glue::row_stride(*residual, op, "residual") : 0;
   QOPS_CHECK_VALUE(!residual || rows <= 1 || res_stride >= H, op,
                    "residual rows must not overlap (it is written in place), got strides ",
-                   fq_glue::dims(residual->strides()));
+                   residual->strides());
   auto out = at::empty(input.sizes(), input.options().dtype(at::kChar));
   auto scales = scale ? at::empty({1}, input.options().dtype(at::kFloat))
                       : at::empty(input.sizes().slice(0, input.dim() - 1),
@@ -47,27 +47,27 @@ std::tuple<at::Tensor, at::Tensor> norm_common(const char* op, const at::Tensor&
   check_cuda(input, op, "input");
   check_half(input, op, "input");
   QOPS_CHECK_VALUE(input.dim() >= 1 && input.size(-1) > 0, op,
-                   "input must have a non-empty last dimension, got shape ", fq_glue::dims(input.sizes()));
+                   "input must have a non-empty last dimension, got shape ", input.sizes());
   const int64_t H = input.size(-1);
   check_same_device(weight, input, op, "weight");
   check_dtype(weight, input.scalar_type(), op, "weight");
   QOPS_CHECK_VALUE(weight.dim() == 1 && weight.size(0) == H && weight.stride(0) == 1, op,
-                   "weight must have shape [", std::to_string(H), "] (the input's last dimension) and be "
-                   "contiguous, got shape ", fq_glue::dims(weight.sizes()));
-  QOPS_CHECK_VALUE(epsilon >= 0.0, op, "epsilon must be >= 0, got ", std::to_string(epsilon));
+                   "weight must have shape [", H, "] (the input's last dimension) and be "
+                   "contiguous, got shape ", weight.sizes());
+  QOPS_CHECK_VALUE(epsilon >= 0.0, op, "epsilon must be >= 0, got ", epsilon);
   if (residual) {
     check_same_device(*residual, input, op, "residual");
     check_dtype(*residual, input.scalar_type(), op, "residual");
     QOPS_CHECK_VALUE(residual->sizes() == input.sizes(), op,
-                     "residual must have the input's shape ", fq_glue::dims(input.sizes()), ", got ",
-                     fq_glue::dims(residual->sizes()));
+                     "residual must have the input's shape ", input.sizes(), ", got ",
+                     residual->sizes());
   }
   fq_glue::check_scale(scale, input, op);
   QOPS_CHECK_VALUE(H <= (fq_glue::vector_ok(input, 8) ? qops::kRmsNormMaxHiddenVec
                                                       : qops::kRmsNormMaxHiddenScalar),
-                   op, "hidden size ", std::to_string(H), " is larger than this kernel supports (",
-                   std::to_string(qops::kRmsNormMaxHiddenVec), " with 16-byte aligned rows, ",
-                   std::to_string(qops::kRmsNormMaxHiddenScalar), " otherwise)");
+                   op, "hidden size ", H, " is larger than this kernel supports (",
+                   qops::kRmsNormMaxHiddenVec, " with 16-byte aligned rows, ",
+                   qops::kRmsNormMaxHiddenScalar, " otherwise)");
   const c10::cuda::CUDAGuard guard(input.device());
   if (input.scalar_type() == at::kHalf)
     return run<__half>(op, input, residual, weight, epsilon, scale);
