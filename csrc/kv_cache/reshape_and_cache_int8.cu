@@ -8,6 +8,8 @@
 // bytes is written by consecutive lanes with full 16-byte stores.
 #include "kv_cache/reshape_and_cache_int8.h"
 
+#include "common/cuda_utils.cuh"  // to_float, saturate_int8, absmax_to_scale: the qops convention
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -18,13 +20,6 @@ namespace kv_cache {
 namespace {
 
 constexpr int kThreads = 256;
-
-template <typename T>
-__device__ __forceinline__ float to_float(T x);
-template <>
-__device__ __forceinline__ float to_float<__half>(__half x) { return __half2float(x); }
-template <>
-__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
 
 constexpr int kElems = 16;  // elements per lane
 
@@ -43,11 +38,9 @@ __device__ __forceinline__ void load16(const T* p, float (&x)[kElems]) {
   }
 }
 
-// saturate(round_half_to_even(x / s)) with an IEEE division; NaN -> 0 (cvt.rni maps NaN to 0).
+// One int8 of the qops convention (IEEE division, round half to even, saturate, NaN -> 0).
 __device__ __forceinline__ uint32_t quant_byte(float x, float s) {
-  int q = __float2int_rn(x / s);
-  q = min(max(q, -128), 127);
-  return static_cast<uint32_t>(q) & 0xffu;
+  return static_cast<uint32_t>(static_cast<uint8_t>(saturate_int8(x / s)));
 }
 
 __device__ __forceinline__ uint4 quant16(const float (&x)[kElems], float s) {
@@ -113,8 +106,8 @@ __global__ void __launch_bounds__(kThreads) reshape_and_cache_int8_kernel(Reshap
     sv = *p.v_scales;
   } else {
     // every lane of the warp takes part in the shuffles (inactive rows contribute zeros)
-    sk = fmaxf(group_amax<LPR>(xk) / 127.f, 1e-10f);
-    sv = fmaxf(group_amax<LPR>(xv) / 127.f, 1e-10f);
+    sk = absmax_to_scale(group_amax<LPR>(xk));
+    sv = absmax_to_scale(group_amax<LPR>(xv));
   }
   if (!active) return;
 

@@ -19,9 +19,17 @@ from typing import Iterable
 
 import torch
 
+from ..quantization import absmax_scale
 from .cache import HalfPagedKVCache
 from .config import LlamaArgs, QuantConfig
 from .model import QuantizedLlamaForCausalLM
+
+
+def _static_scale(amax_stats: torch.Tensor) -> float:
+    """A static per-tensor int8 scale from calibrated per-channel amax statistics (the qops
+    convention: ``max(amax / 127, SCALE_FLOOR)``, :func:`qops.quantization.absmax_scale`)."""
+    return float(absmax_scale(amax_stats.reshape(-1), 0))
+
 
 # linear key -> Hugging Face weight names (rows concatenated in this order)
 LINEARS = {
@@ -257,11 +265,11 @@ def quantize_state_dict(sd: dict, args: LlamaArgs, qcfg: QuantConfig, *, calibra
             for i in range(args.num_layers):
                 k = f"layers.{i}.{key}"
                 a = stats[k] / factors[k] if k in factors else stats[k]
-                input_scales[k] = max(float(a.max()) / 127.0, 1e-10)
+                input_scales[k] = _static_scale(a)
     qmodel = QuantizedLlamaForCausalLM.from_state_dict(sd, args, qcfg, dtype=dtype, device=device,
                                                        inv_freq=inv_freq, attention_scaling=attention_scaling,
                                                        input_scales=input_scales, progress=progress)
     if qcfg.kv_cache == "int8" and qcfg.kv_scales == "static":
-        qmodel.kv_scales = ([max(float(stats[f"layers.{i}.k"].max()) / 127.0, 1e-10) for i in range(args.num_layers)],
-                            [max(float(stats[f"layers.{i}.v"].max()) / 127.0, 1e-10) for i in range(args.num_layers)])
+        qmodel.kv_scales = ([_static_scale(stats[f"layers.{i}.k"]) for i in range(args.num_layers)],
+                            [_static_scale(stats[f"layers.{i}.v"]) for i in range(args.num_layers)])
     return qmodel.eval()
