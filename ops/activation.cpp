@@ -24,7 +24,7 @@ std::tuple<at::Tensor, at::Tensor> silu_and_mul_quant_cuda(const at::Tensor& inp
   fq_glue::check_scale(scale, input, op);
   const int64_t I = input.size(-1) / 2;
   const int64_t rows = input.numel() / input.size(-1);
-  const int64_t stride = fq_glue::row_stride(input, op, "input");
+  const int64_t stride = qops_glue::row_stride(input, op, "input");
   const c10::cuda::CUDAGuard guard(input.device());
   std::vector<int64_t> out_shape(input.sizes().begin(), input.sizes().end());
   out_shape.back() = I;

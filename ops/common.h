@@ -82,6 +82,32 @@ inline void check_contiguous(const at::Tensor& t, const char* op, const char* na
                    t.strides(), ")");
 }
 
+// Row stride (in elements) of `t` [..., H] seen as rows of H contiguous elements: the last dim
+// must have stride 1 and the leading dims must collapse into one row dimension (sizes-1 dims are
+// ignored). A clear error otherwise.
+inline int64_t row_stride(const at::Tensor& t, const char* op, const char* name) {
+  QOPS_CHECK_VALUE(t.dim() >= 1 && t.size(-1) > 0, op, name,
+                   " must have a non-empty last dimension, got shape ", t.sizes());
+  const int64_t H = t.size(-1);
+  QOPS_CHECK_VALUE(H == 1 || t.stride(-1) == 1, op, name,
+                   "'s last dimension must be contiguous (stride 1), got strides ", t.strides());
+  int64_t stride = -1, expect = -1;
+  for (int64_t d = t.dim() - 2; d >= 0; --d) {
+    if (t.size(d) == 1) continue;
+    if (stride < 0) {
+      stride = t.stride(d);
+      expect = stride * t.size(d);
+      continue;
+    }
+    QOPS_CHECK_VALUE(t.stride(d) == expect, op, name,
+                     "'s leading dimensions must collapse into rows one stride apart (got shape ",
+                     t.sizes(), ", strides ", t.strides(),
+                     "); pass a .contiguous() tensor");
+    expect *= t.size(d);
+  }
+  return stride < 0 ? H : stride;
+}
+
 // Converts a kernel's cudaError_t into a Python exception naming the op.
 inline void check_launch(cudaError_t err, const char* op) {
   TORCH_CHECK(err == cudaSuccess, "qops.", op, ": CUDA kernel failed: ",

@@ -20,8 +20,8 @@ std::tuple<at::Tensor, at::Tensor> run(const char* op, const at::Tensor& input,
                                        double epsilon, const std::optional<at::Tensor>& scale) {
   const int64_t H = input.size(-1);
   const int64_t rows = input.numel() / H;
-  const int64_t in_stride = fq_glue::row_stride(input, op, "input");
-  const int64_t res_stride = residual ? fq_glue::row_stride(*residual, op, "residual") : 0;
+  const int64_t in_stride = qops_glue::row_stride(input, op, "input");
+  const int64_t res_stride = residual ? qops_glue::row_stride(*residual, op, "residual") : 0;
   QOPS_CHECK_VALUE(!residual || rows <= 1 || res_stride >= H, op,
                    "residual rows must not overlap (it is written in place), got strides ",
                    residual->strides());

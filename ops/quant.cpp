@@ -10,26 +10,6 @@ namespace {
 
 using namespace qops_glue;
 
-// Views `input` [..., H] as rows of H contiguous elements `row_stride` apart, or fails clearly.
-int64_t row_stride_of(const at::Tensor& input, const char* op) {
-  QOPS_CHECK_VALUE(input.dim() >= 1 && input.size(-1) > 0, op,
-                   "input must have a non-empty last dimension, got shape ", input.sizes());
-  QOPS_CHECK_VALUE(input.size(-1) == 1 || input.stride(-1) == 1, op,
-                   "input's last dimension must be contiguous (stride 1), got strides ",
-                   input.strides());
-  if (input.dim() == 1 || input.numel() == 0) return input.size(-1);
-  // Leading dims must collapse into one row dimension with a single stride.
-  int64_t stride = input.stride(-2);
-  int64_t expect = stride * input.size(-2);
-  for (int64_t d = input.dim() - 3; d >= 0; --d) {
-    QOPS_CHECK_VALUE(input.size(d) == 1 || input.stride(d) == expect, op,
-                     "input's leading dimensions must be collapsible into rows with one stride, "
-                     "got shape ", input.sizes(), " and strides ", input.strides());
-    expect *= input.size(d);
-  }
-  return input.size(-2) == 1 ? input.size(-1) : stride;
-}
-
 template <typename F>
 void dispatch_float(const at::Tensor& t, const char* op, F&& f) {
   switch (t.scalar_type()) {
@@ -45,7 +25,7 @@ void dispatch_float(const at::Tensor& t, const char* op, F&& f) {
 std::tuple<at::Tensor, at::Tensor> quant_per_token_cuda(const at::Tensor& input) {
   constexpr const char* op = "quant_per_token";
   check_cuda(input, op, "input");
-  const int64_t stride = row_stride_of(input, op);
+  const int64_t stride = row_stride(input, op, "input");
   const c10::cuda::CUDAGuard guard(input.device());
   auto out = at::empty(input.sizes(), input.options().dtype(at::kChar));
   auto scales = at::empty(input.sizes().slice(0, input.dim() - 1),
@@ -69,7 +49,7 @@ at::Tensor quant_per_tensor_cuda(const at::Tensor& input, const at::Tensor& scal
   check_dtype(scale, at::kFloat, op, "scale");
   QOPS_CHECK_VALUE(scale.numel() == 1, op, "scale must hold one element, got shape ",
                    scale.sizes());
-  const int64_t stride = row_stride_of(input, op);
+  const int64_t stride = row_stride(input, op, "input");
   const c10::cuda::CUDAGuard guard(input.device());
   auto out = at::empty(input.sizes(), input.options().dtype(at::kChar));
   const int64_t cols = input.size(-1);
