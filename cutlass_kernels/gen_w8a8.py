@@ -86,14 +86,15 @@ def _emit_kernel(cutlass, cfg: table.TileConfig, out_dtype: str, scale_mode: str
         "stages": None,  # as many as fit beside the epilogue's shared memory
         "kernel_schedule": getattr(KernelScheduleType, kernel_schedule),
         "epilogue_schedule": getattr(EpilogueScheduleType, epilogue_schedule),
-        "tile_scheduler": TileSchedulerType.Default,
+        "tile_scheduler": TileSchedulerType.StreamK if cfg.stream_k else TileSchedulerType.Default,
     })
     # The C/D alignment follows operand C's: ask for 16 bytes explicitly (8 fp16/bf16 elements).
     operation = plan.construct(td, alignment_A=16, alignment_B=16, alignment_C=8)
     source = operation.rt_module.emit()
     m, n, k = cfg.cta
     expect = (f"cute::Shape<cute::_{m}, cute::_{n}, cute::_{k}>",
-              "ElementD, StrideD, 8", f"cutlass::gemm::Kernel{kernel_schedule}")
+              "ElementD, StrideD, 8", f"cutlass::gemm::Kernel{kernel_schedule}",
+              "cutlass::gemm::StreamKScheduler" if cfg.stream_k else "")
     for s in expect:
         if s not in source:
             raise RuntimeError(f"{cfg.name}: emitted kernel lacks `{s}` (cutlass_cppgen changed?)")
@@ -163,7 +164,8 @@ namespace qops {{
 namespace w8a8_sm90 {{
 namespace kernels {{
 
-cudaError_t {function}(const Problem& p, int sm_count, cudaStream_t stream) {{
+// With `workspace_bytes` set: stores the workspace this problem needs and launches nothing.
+cudaError_t {function}(const Problem& p, int sm_count, cudaStream_t stream, size_t* workspace_bytes) {{
   using namespace {namespace};
   using GemmKernel = DeviceKernel::GemmKernel;
   auto stride_a = cutlass::make_cute_packed_stride(GemmKernel::StrideA{{}}, cute::make_shape(p.m, p.k, 1));
@@ -183,8 +185,13 @@ cudaError_t {function}(const Problem& p, int sm_count, cudaStream_t stream) {{
       hw_info}};
   DeviceKernel gemm;
   if (gemm.can_implement(args) != cutlass::Status::kSuccess) return cudaErrorInvalidValue;
-  if (DeviceKernel::get_workspace_size(args) != 0) return cudaErrorNotSupported;  // none planned
-  if (gemm.run(args, /*workspace=*/nullptr, stream) != cutlass::Status::kSuccess) {{
+  const size_t need = DeviceKernel::get_workspace_size(args);
+  if (workspace_bytes != nullptr) {{
+    *workspace_bytes = need;
+    return cudaSuccess;
+  }}
+  if (need > p.workspace_bytes || (need != 0 && p.workspace == nullptr)) return cudaErrorInvalidValue;
+  if (gemm.run(args, p.workspace, stream) != cutlass::Status::kSuccess) {{
     const cudaError_t err = cudaGetLastError();
     return err != cudaSuccess ? err : cudaErrorLaunchFailure;
   }}
@@ -211,7 +218,7 @@ namespace kernels {{
 
 namespace {{
 
-using Launch = cudaError_t (*)(const Problem&, int, cudaStream_t);
+using Launch = cudaError_t (*)(const Problem&, int, cudaStream_t, size_t*);
 struct Entry {{
   int config;
   OutDtype out_dtype;
@@ -268,17 +275,30 @@ int select_config(int m, int n, int k) {{
 {selection}
 }}
 
-cudaError_t gemm(const Problem& p, int config, cudaStream_t stream) {{
+namespace {{
+
+cudaError_t find_and_call(const Problem& p, int config, cudaStream_t stream, size_t* workspace_bytes) {{
   if (config < 0) config = select_config(p.m, p.n, p.k);
   for (const Entry& e : kKernels) {{
     if (e.config == config && e.out_dtype == p.out_dtype && e.scale_mode == p.scale_mode) {{
       Device device;
       if (const cudaError_t err = current_device(&device)) return err;
       if (!device.is_sm90) return cudaErrorNoKernelImageForDevice;
-      return e.launch(p, device.sm_count, stream);
+      return e.launch(p, device.sm_count, stream, workspace_bytes);
     }}
   }}
   return cudaErrorInvalidValue;
+}}
+
+}}  // namespace
+
+cudaError_t workspace_size(const Problem& p, int config, size_t* bytes) {{
+  *bytes = 0;
+  return find_and_call(p, config, nullptr, bytes);
+}}
+
+cudaError_t gemm(const Problem& p, int config, cudaStream_t stream) {{
+  return find_and_call(p, config, stream, nullptr);
 }}
 
 }}  // namespace w8a8_sm90
@@ -315,7 +335,7 @@ def generate(nvcc_version: str) -> dict[str, str]:
                     includes=includes, namespace=f"qops_gen_{function}", kernel=kernel.strip("\n"),
                     operation=operation, function=function,
                     evt_arguments=_evt_arguments(kernel, _DTYPES[out_dtype][1]))
-                declarations.append(f"cudaError_t {function}(const Problem&, int, cudaStream_t);")
+                declarations.append(f"cudaError_t {function}(const Problem&, int, cudaStream_t, size_t*);")
                 entries.append(f"    {{{ci}, {_DTYPES[out_dtype][2]}, {_MODES[scale_mode]}, "
                                f"&kernels::{function}}},")
     files["w8a8_dispatch.cu"] = _DISPATCH_TEMPLATE.format(

@@ -20,12 +20,16 @@ class TileConfig:
     cta: tuple[int, int, int]  # CTA tile M, N, K (K in int8 elements: 128 or 256 = 128 B or 256 B)
     cluster: tuple[int, int, int]
     schedule: str  # "ws" (one consumer warp group), "pingpong" or "cooperative" (persistent)
+    # Stream-K tile scheduler (cooperative only): CTAs split the K loop of the output tiles so
+    # that all SMs work when there are fewer tiles than SMs (decode at small N), and the last CTA
+    # of a tile reduces the partial int32 accumulators (exact) from a workspace.
+    stream_k: bool = False
 
     @property
     def name(self) -> str:
         m, n, k = self.cta
         cm, cn, ck = self.cluster
-        return f"{m}x{n}x{k}_c{cm}x{cn}x{ck}_{self.schedule}"
+        return f"{m}x{n}x{k}_c{cm}x{cn}x{ck}_{self.schedule}" + ("_streamk" if self.stream_k else "")
 
 
 # Output dtypes (torch names) and epilogues. "tensor": a_scale [1] and b_scale [1] read as scalars; "token_channel": a_scale [M] broadcast along rows, b_scale [N] along
@@ -43,6 +47,11 @@ CONFIGS: tuple[TileConfig, ...] = (
     TileConfig((128, 64, 128), (1, 2, 1), "cooperative"),
     # Prefill (large M): 1.26-1.41 POP/s at M = 4096 on the Llama layers.
     TileConfig((128, 128, 128), (2, 1, 1), "pingpong"),
+    # Candidates under evaluation (bench/bench_w8a8_gemm.py --sweep).
+    TileConfig((128, 64, 256), (1, 1, 1), "cooperative", stream_k=True),
+    TileConfig((128, 128, 128), (1, 1, 1), "cooperative", stream_k=True),
+    TileConfig((128, 256, 128), (2, 1, 1), "cooperative"),
+    TileConfig((256, 128, 128), (1, 2, 1), "cooperative"),
 )
 
 # Auto selection, first match wins: (largest M, largest N, config name); None: no bound. The
@@ -85,3 +94,4 @@ def check_table() -> None:
         assert c.schedule in ("ws", "pingpong", "cooperative"), c
         assert c.schedule != "cooperative" or c.cta[0] >= 128, f"{c.name}: cooperative needs CTA M >= 128"
         assert c.cta[2] % 64 == 0 and c.cluster[2] == 1, c
+        assert not c.stream_k or c.schedule == "cooperative", f"{c.name}: stream-K needs the cooperative schedule"

@@ -192,7 +192,9 @@ def run_and_check(a, b, sa, sb, dtype, bias=None, **kw):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(133, 208, 272), (300, 1040, 4112)], ids=["small", "multi_k"])
+# decode_split: 20 N tiles of K = 8192 at M = 5, which the stream-K configs split over the SMs.
+@pytest.mark.parametrize("shape", [(133, 208, 272), (300, 1040, 4112), (5, 1280, 8192)],
+                         ids=["small", "multi_k", "decode_split"])
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("mode", table.SCALE_MODES)
 @pytest.mark.parametrize("dtype", HALF, ids=["fp16", "bf16"])
@@ -269,11 +271,13 @@ def test_zero_sizes_and_zero_k_on_cuda():
 
 
 @pytest.mark.gpu
-def test_inputs_unchanged_and_cuda_graph_replay():
+@pytest.mark.parametrize("config", ["auto"] + [c.name for c in table.CONFIGS if c.stream_k])
+def test_inputs_unchanged_and_cuda_graph_replay(config):
+    """Also: a stream-K config's workspace, allocated during capture, is re-initialized per replay."""
     _needs_kernel()
     a, b, sa, sb, bias = make_inputs(17, 4096, 4096, device="cuda", bias=True, dtype=torch.bfloat16)
     saved = [t.clone() for t in (a, b, sa, sb, bias)]
-    fn = maybe_compile(lambda a, b, sa, sb, bias: qops.w8a8_gemm(a, b, sa, sb, torch.bfloat16, bias))
+    fn = maybe_compile(lambda a, b, sa, sb, bias: qops.w8a8_gemm(a, b, sa, sb, torch.bfloat16, bias, config=config))
     expect = fn(a, b, sa, sb, bias)
     for t, s in zip((a, b, sa, sb, bias), saved):
         assert torch.equal(t, s)
@@ -284,14 +288,16 @@ def test_inputs_unchanged_and_cuda_graph_replay():
         fn(a, b, sa, sb, bias)
     torch.cuda.current_stream().wait_stream(s)
     with torch.cuda.graph(g):
-        out = qops.w8a8_gemm(a, b, sa, sb, torch.bfloat16, bias)
+        out = qops.w8a8_gemm(a, b, sa, sb, torch.bfloat16, bias, config=config)
     a.copy_(torch.randint(-128, 128, a.shape, dtype=torch.int8, device="cuda"))
     sa.mul_(2)  # scales are read on the device at replay time
-    g.replay()
-    torch.cuda.synchronize()
-    assert not torch.equal(out, expect)
-    run_and_check(a, b, sa, sb, torch.bfloat16, bias)
-    assert torch.equal(out, qops.w8a8_gemm(a, b, sa, sb, torch.bfloat16, bias))
+    for _ in range(2):  # a second replay must not see the first one's partial sums
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert not torch.equal(out, expect)
+        run_and_check(a, b, sa, sb, torch.bfloat16, bias, config=config)
+        assert torch.equal(out, qops.w8a8_gemm(a, b, sa, sb, torch.bfloat16, bias, config=config))
 
 
 @pytest.mark.gpu

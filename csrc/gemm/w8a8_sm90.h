@@ -10,6 +10,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstddef>
 #include <cstdint>
 
 namespace qops {
@@ -34,6 +35,8 @@ struct Problem {
   int m, n, k;           // k % 16 == 0, n % 8 == 0
   OutDtype out_dtype;
   ScaleMode scale_mode;
+  void* workspace;         // device scratch of at least workspace_size() bytes (stream-K configs)
+  size_t workspace_bytes;  // its size; nullptr / 0 when workspace_size() is 0
 };
 
 // The generated tile configs, by name (the names of w8a8_configs.CONFIGS, in table order).
@@ -43,10 +46,16 @@ const char* config_name(int config);
 // The config the table's SELECTION rules pick for a problem (w8a8_configs.select_config).
 int select_config(int m, int n, int k);
 
+// The device scratch, in bytes, that `gemm` needs for this problem with tile config `config`
+// (-1: select_config): the stream-K configs keep partial accumulators and their flags there; 0 for
+// the others. Errors as for gemm.
+cudaError_t workspace_size(const Problem& problem, int config, size_t* bytes);
+
 // Runs the GEMM on `stream` with tile config `config` (-1: select_config). No allocation, no host
-// synchronization (CUDA-graph safe). cudaErrorNoKernelImageForDevice on a device other than
-// sm_90; cudaErrorInvalidValue when the config index is out of range or CUTLASS cannot implement
-// the problem (alignment); launch errors otherwise.
+// synchronization (CUDA-graph safe); the workspace, if any, is the caller's and is re-initialized
+// on the stream by every call. cudaErrorNoKernelImageForDevice on a device other than sm_90;
+// cudaErrorInvalidValue when the config index is out of range, the workspace is too small or
+// CUTLASS cannot implement the problem (alignment); launch errors otherwise.
 cudaError_t gemm(const Problem& problem, int config, cudaStream_t stream);
 
 }  // namespace w8a8_sm90

@@ -123,7 +123,17 @@ at::Tensor w8a8_gemm_cuda(const at::Tensor& a, const at::Tensor& b, const at::Te
   p.k = static_cast<int>(K);
   p.out_dtype = out_dtype == at::kHalf ? w8a8::OutDtype::kFloat16 : w8a8::OutDtype::kBFloat16;
   p.scale_mode = per_tensor ? w8a8::ScaleMode::kPerTensor : w8a8::ScaleMode::kPerTokenPerChannel;
-  const cudaError_t err = w8a8::gemm(p, cfg, current_stream());
+  // Stream-K configs need scratch for partial accumulators; it comes from the caching allocator
+  // (inside CUDA-graph capture: the graph's pool), as vLLM does, and the kernel re-initializes it.
+  size_t workspace_bytes = 0;
+  cudaError_t err = w8a8::workspace_size(p, cfg, &workspace_bytes);
+  at::Tensor workspace;
+  if (err == cudaSuccess && workspace_bytes != 0) {
+    workspace = at::empty({static_cast<int64_t>(workspace_bytes)}, a.options().dtype(at::kByte));
+    p.workspace = workspace.data_ptr();
+    p.workspace_bytes = workspace_bytes;
+  }
+  if (err == cudaSuccess) err = w8a8::gemm(p, cfg, current_stream());
   TORCH_CHECK_NOT_IMPLEMENTED(err != cudaErrorNoKernelImageForDevice,
                               format_message("qops.", kOp, ": the CUDA kernels are built for sm_90a "
                                              "(Hopper) only; ", a.device(), " is another architecture"));
