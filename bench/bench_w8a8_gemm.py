@@ -9,6 +9,7 @@ vs per-token x per-channel vs per-token x per-channel + bias, and fp16 vs bf16 o
 epilogue's cost over per-tensor at large M is a target: <= 3%).
 
     python bench/bench_w8a8_gemm.py --out bench/out [--sweep] [--epilogues] [--quick]
+        [--layers 8B.o,70B-tp8.qkv] [--tokens 1,17,300,1000] [--no-anchors] [--uniform-int8]
 """
 from __future__ import annotations
 
@@ -38,8 +39,17 @@ QUICK_LAYERS, QUICK_TOKENS = ["8B.o", "8B.gate_up", "8B.down"], [1, 16, 128, 409
 OUT = torch.bfloat16
 
 
+UNIFORM_INT8 = False  # --uniform-int8
+
+
 def _int8(*shape):
-    return torch.randint(-128, 128, shape, dtype=torch.int8, device="cuda")
+    """int8 operands as a W8A8 model has them: Gaussian values quantized row-wise by absmax (the
+    anchors get the same Gaussians). With --uniform-int8: uniform over [-128, 127], the worst case
+    for power draw (tensor-core throughput on H100 depends on the operands' bit activity)."""
+    if UNIFORM_INT8:
+        return torch.randint(-128, 128, shape, dtype=torch.int8, device="cuda")
+    x = torch.randn(shape, device="cuda")
+    return (x * (127.0 / x.abs().amax(-1, keepdim=True))).round_().to(torch.int8)
 
 
 def time_ours(m, n, k, config="auto"):
@@ -76,12 +86,17 @@ EPILOGUES = {  # name -> time_epilogue keyword arguments
 }
 
 
-def run_epilogues(layers, tokens, out_dir) -> None:
-    """Epilogue variants against each other; ratios are per-tensor time over each variant's."""
+def run_epilogues(layers, tokens, out_dir, rounds: int = 3) -> None:
+    """Epilogue variants against each other; ratios are each variant's time over per-tensor's.
+    The variants are timed round-robin `rounds` times and each keeps its fastest median, so that
+    clock and temperature drift during the run does not masquerade as an epilogue cost."""
     rows = []
     for layer, n, k in layers:
         for m in tokens:
-            us = {name: time_epilogue(m, n, k, **kw) for name, kw in EPILOGUES.items()}
+            us = {name: math.inf for name in EPILOGUES}
+            for _ in range(rounds):
+                for name, kw in EPILOGUES.items():
+                    us[name] = min(us[name], time_epilogue(m, n, k, **kw))
             r = {"layer": layer, "M": m, "N": n, "K": k}
             r.update({f"{name}_us": t for name, t in us.items()})
             r["token_over_tensor"] = us["token_bf16"] / us["tensor_bf16"]
@@ -139,11 +154,28 @@ def main() -> None:
     p.add_argument("--sweep", action="store_true", help="also time every generated tile config")
     p.add_argument("--quick", action="store_true", help="a few shapes only")
     p.add_argument("--epilogues", action="store_true", help="also compare the epilogue variants")
+    p.add_argument("--layers", help="comma-separated layer names (default: all; see LAYERS)")
+    p.add_argument("--tokens", help="comma-separated M values (default: %s)" % ",".join(map(str, TOKENS)))
+    p.add_argument("--no-anchors", action="store_true", help="time only our kernels (with --sweep: tuning)")
+    p.add_argument("--uniform-int8", action="store_true", help="uniform random int8 operands (worst-case power)")
     args = p.parse_args()
+    global UNIFORM_INT8
+    UNIFORM_INT8 = args.uniform_int8
     os.makedirs(args.out, exist_ok=True)
     layers = [l for l in LAYERS if not args.quick or l[0] in QUICK_LAYERS]
+    if args.layers:
+        known = {l[0] for l in LAYERS}
+        wanted = args.layers.split(",")
+        unknown = sorted(set(wanted) - known)
+        if unknown:
+            p.error(f"unknown layers {unknown}; known: {sorted(known)}")
+        layers = [l for l in LAYERS if l[0] in wanted]
     tokens = QUICK_TOKENS if args.quick else TOKENS
-    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, out dtype {OUT}")
+    if args.tokens:
+        tokens = [int(t) for t in args.tokens.split(",")]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    print(f"device: {torch.cuda.get_device_name()} ({sms} SMs), torch {torch.__version__}, out dtype {OUT}, "
+          f"int8 operands {'uniform' if UNIFORM_INT8 else 'quantized Gaussians'}")
 
     rows, sweep = [], []
     for layer, n, k in layers:
@@ -151,8 +183,12 @@ def main() -> None:
             ops = 2.0 * m * n * k
             moved = m * k + n * k + 2 * m * n + 4 * (m + n)
             us = time_ours(m, n, k)
-            base = {"linear_bf16": time_linear(m, n, k), "int_mm_dequant": time_int_mm(m, n, k), "fp8_rowwise": time_fp8(m, n, k)}
-            r = {"layer": layer, "M": m, "N": n, "K": k, "config": table.select_config(m, n, k),
+            if args.no_anchors:
+                base = {"linear_bf16": math.nan, "int_mm_dequant": math.nan, "fp8_rowwise": math.nan}
+            else:
+                base = {"linear_bf16": time_linear(m, n, k), "int_mm_dequant": time_int_mm(m, n, k),
+                        "fp8_rowwise": time_fp8(m, n, k)}
+            r = {"layer": layer, "M": m, "N": n, "K": k, "config": table.select_config(m, n, k, sms),
                  "us": us, "TOPs": ops / us * 1e-6, "GBps": moved / us * 1e-3}
             for name, t in base.items():
                 r[f"{name}_us"] = t
@@ -180,6 +216,9 @@ def main() -> None:
             for c in table.config_names():
                 s[short[c]] = s[f"{c}_us"]
         print_table(sweep, ["layer", "M"] + list(short.values()) + ["best", "auto_over_best"])
+        worst = max(sweep, key=lambda s: s["auto_over_best"])
+        print(f"auto is within {100 * (worst['auto_over_best'] - 1):.1f}% of the best config at every shape "
+              f"(worst: {worst['layer']} M={worst['M']}, auto {worst['auto']}, best {worst['best']})")
     if args.epilogues:
         run_epilogues(layers, [m for m in EPILOGUE_TOKENS if not args.quick or m in (16, 4096)], args.out)
     print("\n== w8a8_gemm vs anchors (vs_X = X's time / ours)")

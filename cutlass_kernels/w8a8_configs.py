@@ -24,6 +24,9 @@ class TileConfig:
     # that all SMs work when there are fewer tiles than SMs (decode at small N), and the last CTA
     # of a tile reduces the partial int32 accumulators (exact) from a workspace.
     stream_k: bool = False
+    # Relative throughput per output element when every SM is busy (from the sweep), used only to
+    # choose between a rule's candidates by their wave quantization (select_config).
+    rate: float = 1.0
 
     @property
     def name(self) -> str:
@@ -39,57 +42,91 @@ SCALE_MODES = ("tensor", "token_channel")
 
 CONFIGS: tuple[TileConfig, ...] = (
     # Decode (M <= 64): weight streaming; the 1x8 cluster multicasts A (the activations) over
-    # eight N tiles. M=1, N=K=4096: 10.0 us, 1.7 TB/s with the weights rotating through L2.
+    # eight N tiles. M=1, N=K=4096: 10.2 us, 1.6 TB/s with the weights rotating through L2.
     TileConfig((64, 64, 256), (1, 8, 1), "ws"),
     # Decode with N >= 8192 (gate_up, 70B down and o): fewer, wider tiles.
     TileConfig((64, 128, 256), (1, 4, 1), "ws"),
     # Medium M (batched decode, short prefill): 128-row tiles, two consumer warp groups.
     TileConfig((128, 64, 128), (1, 2, 1), "cooperative"),
-    # Prefill (large M): 1.26-1.41 POP/s at M = 4096 on the Llama layers.
-    TileConfig((128, 128, 128), (2, 1, 1), "pingpong"),
-    # Candidates under evaluation (bench/bench_w8a8_gemm.py --sweep).
-    TileConfig((128, 64, 256), (1, 1, 1), "cooperative", stream_k=True),
+    # Prefill with short K or when its smaller tile quantizes better: one warp group's epilogue
+    # overlaps the other's MMAs. About 0.93x the 128x256 tile's rate when both fill the GPU.
+    TileConfig((128, 128, 128), (2, 1, 1), "pingpong", rate=0.93),
+    # Prefill at small N (70B-tp8 qkv, N = 1280: 10 N tiles): stream-K spreads K over the SMs.
     TileConfig((128, 128, 128), (1, 1, 1), "cooperative", stream_k=True),
+    # Prefill (large M and N): 1.3-1.55 POP/s at M >= 1024 on the Llama layers.
     TileConfig((128, 256, 128), (2, 1, 1), "cooperative"),
-    TileConfig((256, 128, 128), (1, 2, 1), "cooperative"),
 )
 
-# Auto selection, first match wins: (largest M, largest N, config name); None: no bound. The
-# last rule must match every problem. From `bench/bench_w8a8_gemm.py --sweep` on the H100 at the
-# Llama-3-8B and Llama-2-70B (TP 8) layer shapes (docs/w8a8_gemm.md):
+
+@dataclass(frozen=True)
+class Rule:
+    """Problems with m <= max_m, n <= max_n and k <= max_k (None: no bound) run `pick`: one config
+    name, or a tuple of names to choose from by wave quantization (select_config)."""
+    pick: str | tuple[str, ...]
+    max_m: int | None = None
+    max_n: int | None = None
+    max_k: int | None = None
+
+
+# Auto selection, first match wins; the last rule must match every problem. From
+# `bench/bench_w8a8_gemm.py --sweep` on the H100 at the Llama-2-7B, Llama-3-8B and Llama-2-70B (TP 8)
+# layer shapes (docs/w8a8_gemm.md):
 # - M <= 64 (decode) is weight-bandwidth bound: one 64-row tile; 64x128 tiles win from N = 8192.
 # - 64 < M <= 256: the 128x128 tiles leave SMs idle until N is large; smaller tiles win below.
-# - Larger M is compute bound: ping-pong 128x128.
-SELECTION: tuple[tuple[int | None, int | None, str], ...] = (
-    (64, 8191, "64x64x256_c1x8x1_ws"),
-    (64, None, "64x128x256_c1x4x1_ws"),
-    (128, 2048, "64x64x256_c1x8x1_ws"),
-    (128, 4096, "64x128x256_c1x4x1_ws"),
-    (128, None, "128x64x128_c1x2x1_cooperative"),
-    (256, 2048, "64x64x256_c1x8x1_ws"),
-    (256, 4096, "128x64x128_c1x2x1_cooperative"),
-    (None, None, "128x128x128_c2x1x1_pingpong"),
+# - Larger M is compute bound: 128x256 tiles, or 128x128 ping-pong where the bigger tile leaves
+#   more of the last wave idle (e.g. M = 1024, N = 6144: 192 tiles on 132 SMs) or K is short
+#   (the epilogue's share is large); stream-K at small N.
+SELECTION: tuple[Rule, ...] = (
+    Rule("64x64x256_c1x8x1_ws", max_m=64, max_n=8191),
+    Rule("64x128x256_c1x4x1_ws", max_m=64),
+    Rule("64x64x256_c1x8x1_ws", max_m=128, max_n=2048),
+    Rule("64x128x256_c1x4x1_ws", max_m=128, max_n=4096),
+    Rule("128x64x128_c1x2x1_cooperative", max_m=128),
+    Rule("64x64x256_c1x8x1_ws", max_m=256, max_n=2048),
+    Rule("128x64x128_c1x2x1_cooperative", max_m=256, max_n=4096),
+    Rule("128x128x128_c2x1x1_pingpong", max_m=256),
+    Rule("128x128x128_c1x1x1_cooperative_streamk", max_n=2048),
+    Rule("128x128x128_c2x1x1_pingpong", max_k=2048),
+    Rule(("128x256x128_c2x1x1_cooperative", "128x128x128_c2x1x1_pingpong")),
 )
+
+DEFAULT_SMS = 132  # H100 SXM
 
 
 def config_names() -> list[str]:
     return [c.name for c in CONFIGS]
 
 
-def select_config(m: int, n: int, k: int) -> str:
+def _by_name() -> dict[str, TileConfig]:
+    return {c.name: c for c in CONFIGS}
+
+
+def wave_cost(cfg: TileConfig, m: int, n: int, num_sms: int) -> float:
+    """Relative time of a compute-bound problem on `cfg`: the tiles of the busiest SM (tiles are
+    dealt round-robin to the SMs), each of cta_m x cta_n outputs at the config's rate."""
+    tiles = -(-m // cfg.cta[0]) * -(-n // cfg.cta[1])
+    return -(-tiles // num_sms) * cfg.cta[0] * cfg.cta[1] / cfg.rate
+
+
+def select_config(m: int, n: int, k: int, num_sms: int = DEFAULT_SMS) -> str:
     """The config ``config="auto"`` picks (the generated C++ ``select_config`` is this function)."""
-    for max_m, max_n, name in SELECTION:
-        if (max_m is None or m <= max_m) and (max_n is None or n <= max_n):
-            return name
+    configs = _by_name()
+    for r in SELECTION:
+        if all(b is None or v <= b for v, b in ((m, r.max_m), (n, r.max_n), (k, r.max_k))):
+            if isinstance(r.pick, str):
+                return r.pick
+            return min(r.pick, key=lambda name: wave_cost(configs[name], m, n, num_sms))  # first on ties
     raise AssertionError("the last SELECTION rule must match every problem")
 
 
 def check_table() -> None:
     names = config_names()
     assert len(set(names)) == len(names), "duplicate tile configs"
-    assert SELECTION and SELECTION[-1][:2] == (None, None), "the last rule must match every problem"
-    for _, _, name in SELECTION:
-        assert name in names, f"SELECTION names an unknown config {name}"
+    last = SELECTION[-1] if SELECTION else None
+    assert last and last.max_m is last.max_n is last.max_k is None, "the last rule must match every problem"
+    for r in SELECTION:
+        for name in (r.pick,) if isinstance(r.pick, str) else r.pick:
+            assert name in names, f"SELECTION names an unknown config {name}"
     for c in CONFIGS:
         assert c.schedule in ("ws", "pingpong", "cooperative"), c
         assert c.schedule != "cooperative" or c.cta[0] >= 128, f"{c.name}: cooperative needs CTA M >= 128"

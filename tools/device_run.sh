@@ -8,6 +8,9 @@
 #   -b "S ARGS"  run `python S ARGS --out $OUT` (repeatable), e.g. -b "bench/bench_quant.py"
 #   --no-sm90    skip the sm_90a CUTLASS kernels (much faster build when working on other kernels)
 #   --sanitize C run C under compute-sanitizer memcheck and racecheck (e.g. "python -m pytest ...")
+#   --no-build   reuse the extension an earlier call on the same warm machine built (the copy of the
+#                tree gets fresh timestamps, so a rebuild recompiles everything: ~3 minutes); only
+#                valid when no C++/CUDA source changed since that call
 #
 # Prepare the wheels once on your machine with `bash ../shared/tools/device_wheels.sh` and name
 # `.whl` in the device call's carry. Prints a short summary last.
@@ -17,6 +20,7 @@ mkdir -p "$OUT"
 TESTS="-m gpu tests"
 BENCHES=()
 SANITIZE=""
+BUILD=1
 export QOPS_ENABLE_SM90=${QOPS_ENABLE_SM90:-ON}
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -24,6 +28,7 @@ while [ $# -gt 0 ]; do
     -b) BENCHES+=("$2"); shift 2 ;;
     --no-sm90) export QOPS_ENABLE_SM90=OFF; shift ;;
     --sanitize) SANITIZE="$2"; shift 2 ;;
+    --no-build) BUILD=0; shift ;;
     *) echo "device_run.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -47,8 +52,12 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --f
 export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
 export QOPS_NVCC_THREADS=${QOPS_NVCC_THREADS:-1}
 export QOPS_CUDA_ARCHS=${QOPS_CUDA_ARCHS:-90}
-step build build.log python3 -m pip install --no-build-isolation --no-deps -v -e . || {
-  printf '%s\n' "${summary[@]}"; exit 1; }
+if [ "$BUILD" = 1 ]; then
+  step build build.log python3 -m pip install --no-build-isolation --no-deps -v -e . || {
+    printf '%s\n' "${summary[@]}"; exit 1; }
+else
+  python3 -c "import qops._C" || { echo "--no-build: no earlier build on this machine" >&2; exit 1; }
+fi
 # Which C++ toolchain built the extension, and did libstdc++ get linked dynamically (it must:
 # a static copy inside _C.so crashed on number formatting, see ops/common.h).
 so=$(python3 -c "import qops._C as c; print(c.__file__)")

@@ -43,8 +43,9 @@ struct Problem {
 int num_configs();
 const char* config_name(int config);
 
-// The config the table's SELECTION rules pick for a problem (w8a8_configs.select_config).
-int select_config(int m, int n, int k);
+// The config the table's SELECTION rules pick for a problem on a GPU with `num_sms` SMs
+// (w8a8_configs.select_config).
+int select_config(int m, int n, int k, int num_sms);
 
 // The device scratch, in bytes, that `gemm` needs for this problem with tile config `config`
 // (-1: select_config): the stream-K configs keep partial accumulators and their flags there; 0 for
