@@ -7,11 +7,18 @@ Effective bandwidth counts the bytes the int8 kernel actually reads (int8 K and 
 q, block tables) and writes (out); SDPA's counts its bf16 K/V. Times are medians of CUDA-graph
 replays over several input sets (L2 does not hold the previous call's cache).
 
-    python bench/bench_decode_attention.py [--out DIR] [--quick]
+At the small-batch rows (B = 1 and 8) the int8 kernel is also timed with the other split-merge
+path (QOPS_DECODE_FUSED_REDUCE: the merge fused into the split kernel -- the default, one launch
+-- vs the split kernel + reduce kernel), and the ratio fused / unfused is printed (< 1: the fused
+merge is faster). `int8_us` is always the path the environment selects (the default: fused).
+
+    python bench/bench_decode_attention.py [--out DIR] [--quick] [--no-merge-compare]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import math
 import os
 import sys
 
@@ -30,6 +37,26 @@ MODELS = {  # name: (HQ, HKV, D)
 DTYPE = torch.bfloat16
 BLOCK = 16
 MEM_LIMIT = 56 << 30  # bytes of input sets alive at once (the int8 sets are freed before SDPA's)
+FUSED_ENV = "QOPS_DECODE_FUSED_REDUCE"  # "0": split kernel + reduce kernel; else the fused merge
+MERGE_COMPARE_BATCHES = (1, 8)
+
+
+def fused_by_default() -> bool:
+    return os.environ.get(FUSED_ENV) != "0"
+
+
+@contextlib.contextmanager
+def merge_path(fused: bool):
+    """Selects the split-merge path of the calls made (and of the graphs captured) inside."""
+    old = os.environ.get(FUSED_ENV)
+    os.environ[FUSED_ENV] = "1" if fused else "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(FUSED_ENV, None)
+        else:
+            os.environ[FUSED_ENV] = old
 
 
 def int8_problem(B, HQ, HKV, D, lens, seed, block_size=BLOCK):
@@ -95,7 +122,7 @@ def bench_sdpa(B, HQ, HKV, D, T, n_sets):
     return best
 
 
-def run_config(model, B, T, copy_bw, splits_sweep=False):
+def run_config(model, B, T, copy_bw, splits_sweep=False, merge_compare=False):
     HQ, HKV, D = MODELS[model]
     lens = [T] * B
     set_bytes_i8 = 2 * B * HKV * T * D
@@ -113,7 +140,11 @@ def run_config(model, B, T, copy_bw, splits_sweep=False):
     def make(i, ns=0):
         a = sets[i]
         return lambda: qops.paged_decode_attention_int8(*a, sm, num_splits=ns)
-    us = bench_us(make, n_i8)
+    us = bench_us(make, n_i8)  # the path the environment selects
+    us_other = None
+    if merge_compare:  # the other merge path, same inputs
+        with merge_path(not fused_by_default()):
+            us_other = bench_us(make, n_i8)
     sweep = []
     if splits_sweep:
         for ns in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -132,7 +163,11 @@ def run_config(model, B, T, copy_bw, splits_sweep=False):
         "sdpa_us": s_us, "sdpa_backend": s_name,
         "sdpa_GBps": gbps(set_bytes_16, s_us) if s_us < float("inf") else 0.0,
         "speedup_vs_sdpa": s_us / us,
+        "fused_us": "", "unfused_us": "", "fused_over_unfused": "",
     }
+    if us_other is not None:
+        fused_us, unfused_us = (us, us_other) if fused_by_default() else (us_other, us)
+        row.update(fused_us=fused_us, unfused_us=unfused_us, fused_over_unfused=fused_us / unfused_us)
     return row, sweep
 
 
@@ -140,6 +175,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/out")
     ap.add_argument("--quick", action="store_true", help="a few configs only")
+    ap.add_argument("--no-merge-compare", action="store_true",
+                    help=f"do not also time the other split-merge path at B in {MERGE_COMPARE_BATCHES}")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("needs CUDA")
@@ -147,7 +184,8 @@ def main():
     torch.backends.cuda.matmul.allow_tf32 = False
     copy_bw = copy_bandwidth_gbps()
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-          f"copy bandwidth {copy_bw:.0f} GB/s (read + write)")
+          f"copy bandwidth {copy_bw:.0f} GB/s (read + write); split merge: "
+          f"{'fused (default)' if fused_by_default() else f'two kernels ({FUSED_ENV}=0)'}")
     Bs = (1, 8, 32, 128)
     Ts = (1024, 4096, 16384)
     if args.quick:
@@ -157,15 +195,20 @@ def main():
         for B in Bs:
             for T in Ts:
                 sweep = (B in (1, 8) and T in (4096, 16384)) or (model == "smollm2-135m" and B == 32)
-                row, sw = run_config(model, B, T, copy_bw, splits_sweep=sweep)
+                compare = B in MERGE_COMPARE_BATCHES and not args.no_merge_compare
+                row, sw = run_config(model, B, T, copy_bw, splits_sweep=sweep, merge_compare=compare)
                 if row is None:
                     continue
                 rows.append(row)
                 sweeps += sw
+                merge = ""
+                if row["fused_over_unfused"] != "":
+                    merge = (f"  fused/unfused {row['fused_over_unfused']:.3f} "
+                             f"({row['fused_us']:.1f} / {row['unfused_us']:.1f} us)")
                 print(f"{model:14s} B={B:4d} T={T:6d}: int8 {row['int8_us']:9.1f} us "
                       f"{row['int8_GBps']:6.0f} GB/s ({100 * row['frac_copy_bw']:.0f}% copy)  "
                       f"sdpa[{row['sdpa_backend']}] {row['sdpa_us']:9.1f} us  "
-                      f"x{row['speedup_vs_sdpa']:.2f}", flush=True)
+                      f"x{row['speedup_vs_sdpa']:.2f}{merge}", flush=True)
     # variable lengths in one batch
     HQ, HKV, D = MODELS["llama3-8b-gqa"]
     g = torch.Generator().manual_seed(0)
@@ -190,6 +233,15 @@ def main():
     print("\n== paged_decode_attention_int8 vs SDPA (bf16 K/V)")
     print_table(rows, ["model", "B", "T", "int8_us", "int8_GBps", "frac_copy_bw", "sdpa_us",
                        "sdpa_backend", "speedup_vs_sdpa"])
+    merged = [r for r in rows if r["fused_over_unfused"] != ""]
+    if merged:
+        print("\n== split merge fused into the split kernel vs split + reduce kernels "
+              "(fused_over_unfused < 1: fused is faster; ~1 where the heuristic does not split)")
+        print_table(merged, ["model", "B", "T", "fused_us", "unfused_us", "fused_over_unfused",
+                             "frac_copy_bw", "speedup_vs_sdpa"])
+        ratios = [r["fused_over_unfused"] for r in merged]
+        print(f"fused/unfused: geometric mean {math.prod(ratios) ** (1 / len(ratios)):.3f}, "
+              f"min {min(ratios):.3f}, max {max(ratios):.3f}")
     return 0
 
 

@@ -1,6 +1,10 @@
 // CUDA implementation of qops::paged_decode_attention_int8 (torch glue only: checks, workspace,
-// split-K choice, stream; the kernels are in csrc/attention/).
+// split-K choice, the fused merge's counters, stream; the kernels are in csrc/attention/).
 #include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
 
 #include "attention/paged_decode_int8.h"
 #include "common.h"
@@ -14,6 +18,67 @@ bool check_kv_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, const 
 namespace {
 
 using namespace qops_glue;
+
+// ---- counters of the fused split merge -----------------------------------------------------------
+// With num_splits > 1 the split kernel merges the splits itself: the last CTA of each (sequence,
+// kv head, head group) -- found with an int32 counter per group -- does it, so a call is one launch
+// instead of two (csrc/attention/paged_decode_int8.h). The counters must be 0 on entry; the kernel
+// leaves them 0. Where they live (docs/kv_cache.md, "The fused split merge"):
+//
+// - Normally in one small buffer per device, zeroed once (at::zeros, then a stream synchronize so
+//   that a launch on any stream sees the zeros) and never freed. Never freeing it is what makes it
+//   safe: a captured CUDA graph keeps its address forever, and there is no growth (a fixed size
+//   covers every split count the heuristic picks by far: num_splits > 1 only when the grid has
+//   fewer CTAs than half the SMs' slots, i.e. a few hundred groups) and so no old buffer that a
+//   kernel in flight on another stream or a graph could still use. It is not made while the
+//   current stream is capturing a graph (at::zeros would only be a node of that graph, run at
+//   replay, and the memory would come from the graph's private pool).
+// - Otherwise -- a call with more groups than the buffer holds (only a forced num_splits with a
+//   large batch), or the very first fused call on a device made during a graph capture -- in the
+//   per-call workspace, zeroed by a cudaMemsetAsync on the call's stream (a memset node when
+//   captured, so every replay re-zeroes). Correct everywhere, one extra memset.
+//
+// The shared buffer means that fused calls on one device must be ordered with each other (one
+// stream, or streams/graph replays synchronized with each other): two calls that can run at the
+// same time, e.g. concurrently replayed graphs or unsynchronized streams, would count into the
+// same counters and merge partial results. Such callers set QOPS_DECODE_FUSED_REDUCE=0. (A buffer
+// per stream would not help graphs: torch.cuda.graph captures on its own stream, never used
+// eagerly, so every capture would take the memset path.)
+constexpr int64_t kSharedSplitCounters = 4096;  // 16 KiB per device
+constexpr int kMaxDevices = 256;
+
+// The zeroed per-device counter buffer, or nullptr when `needed` counters do not fit or when it
+// does not exist yet and `stream` is capturing.
+int32_t* shared_split_counters(int device, cudaStream_t stream, int64_t needed, const char* op) {
+  static std::atomic<int32_t*> buffers[kMaxDevices];  // static storage: all nullptr
+  static std::mutex mutex;
+  if (needed > kSharedSplitCounters || device < 0 || device >= kMaxDevices) return nullptr;
+  int32_t* ptr = buffers[device].load(std::memory_order_acquire);
+  if (ptr != nullptr) return ptr;
+  const std::lock_guard<std::mutex> lock(mutex);
+  ptr = buffers[device].load(std::memory_order_acquire);
+  if (ptr != nullptr) return ptr;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  check_launch(cudaStreamIsCapturing(stream, &capture), op);
+  if (capture != cudaStreamCaptureStatusNone) return nullptr;
+  // The caller's CUDAGuard made `device` current, so at::zeros runs on `stream`. The tensor is
+  // deliberately leaked: never freed, not even at exit (when CUDA may be torn down already).
+  const at::Device dev(at::kCUDA, static_cast<c10::DeviceIndex>(device));
+  auto* keep = new at::Tensor(
+      at::zeros({kSharedSplitCounters}, at::TensorOptions().dtype(at::kInt).device(dev)));
+  check_launch(cudaStreamSynchronize(stream), op);  // the zeros are in memory for every stream
+  ptr = keep->data_ptr<int32_t>();
+  buffers[device].store(ptr, std::memory_order_release);
+  return ptr;
+}
+
+// QOPS_DECODE_FUSED_REDUCE=0 selects the two-kernel path (split kernel + reduce kernel); unset or
+// anything else, the fused one. Read at every call (cheap next to a launch), so a benchmark can
+// compare both in one process; a captured graph keeps the path it was captured with.
+bool fused_reduce_enabled() {
+  const char* v = std::getenv("QOPS_DECODE_FUSED_REDUCE");
+  return v == nullptr || std::strcmp(v, "0") != 0;
+}
 
 at::Tensor paged_decode_attention_int8_cuda(const at::Tensor& query, const at::Tensor& k_cache,
                                             const at::Tensor& v_cache, const at::Tensor& k_scales,
@@ -85,10 +150,25 @@ at::Tensor paged_decode_attention_int8_cuda(const at::Tensor& query, const at::T
   }
   splits = std::min(splits, qops::attention::kPagedDecodeMaxSplits);
   splits = std::max(1, std::min<int>(splits, static_cast<int>((max_context + 15) / 16)));
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   at::Tensor workspace;
   const int64_t ws = qops::attention::paged_decode_int8_workspace_floats(
       static_cast<int>(B), static_cast<int>(HQ), static_cast<int>(D), splits);
-  if (ws > 0) workspace = at::empty({ws}, query.options().dtype(at::kFloat));
+  // The fused merge's counters: the shared zeroed buffer, or (see shared_split_counters) zeroed
+  // int32s after the workspace's floats.
+  int32_t* counters = nullptr;
+  int64_t ws_counters = 0;
+  if (ws > 0 && fused_reduce_enabled()) {
+    const int64_t n = qops::attention::paged_decode_int8_num_counters(
+        static_cast<int>(B), static_cast<int>(HQ), static_cast<int>(HKV));
+    counters = shared_split_counters(query.device().index(), stream, n, op);
+    if (counters == nullptr) ws_counters = n;
+  }
+  if (ws > 0) workspace = at::empty({ws + ws_counters}, query.options().dtype(at::kFloat));
+  if (ws_counters > 0) {
+    counters = reinterpret_cast<int32_t*>(workspace.data_ptr<float>() + ws);
+    check_launch(cudaMemsetAsync(counters, 0, ws_counters * sizeof(int32_t), stream), op);
+  }
 
   qops::attention::PagedDecodeInt8Params p{};
   p.query = q.data_ptr();
@@ -108,6 +188,7 @@ at::Tensor paged_decode_attention_int8_cuda(const at::Tensor& query, const at::T
     p.partial_out = workspace.data_ptr<float>();
     p.partial_lse = p.partial_out + B * HQ * splits * D;
   }
+  p.split_counters = counters;
   p.batch = static_cast<int>(B);
   p.num_q_heads = static_cast<int>(HQ);
   p.num_kv_heads = static_cast<int>(HKV);
@@ -118,7 +199,7 @@ at::Tensor paged_decode_attention_int8_cuda(const at::Tensor& query, const at::T
   p.num_splits = splits;
   p.sm_scale = static_cast<float>(sm_scale);
   p.bf16 = query.scalar_type() == at::kBFloat16;
-  check_launch(qops::attention::paged_decode_attention_int8(p, c10::cuda::getCurrentCUDAStream()), op);
+  check_launch(qops::attention::paged_decode_attention_int8(p, stream), op);
   return out;
 }
 

@@ -6,15 +6,28 @@ independently of qops.attention.decode_attention_reference (which is vectorized 
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
 
 import qops
+from conftest import poison_cuda_allocator
 from qops.attention import alibi_slopes, decode_attention_reference
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 OP = "paged_decode_attention_int8"
+# Read by the CUDA glue at every call: "0" selects the two-kernel split merge (split kernel +
+# reduce kernel); unset (the default) or anything else, the merge fused into the split kernel.
+FUSED_ENV = "QOPS_DECODE_FUSED_REDUCE"
+
+
+@pytest.fixture(autouse=True)
+def _default_merge_path(monkeypatch):
+    """Every test starts on the default (fused) path, whatever the caller's environment says."""
+    monkeypatch.delenv(FUSED_ENV, raising=False)
 
 
 # ---- float64 reference ---------------------------------------------------------------------------
@@ -323,3 +336,210 @@ def test_gpu_small_bad_inputs():
         qops.paged_decode_attention_int8(torch.randn(2, 4, 32, dtype=torch.float16, device="cuda"),
                                          k_cache[..., :32].contiguous(), v_cache[..., :32].contiguous(),
                                          ks, vs, bt, sl)
+
+
+# ---- GPU: the fused split merge vs the two-kernel one ----------------------------------------------
+# With num_splits > 1 the default CUDA path merges the splits in the split kernel itself (the last
+# CTA of each (sequence, kv head, head group), found with a self-resetting counter); FUSED_ENV=0
+# selects the split kernel + reduce kernel. Both use the same merge arithmetic in the same split
+# order, so their outputs must be bit-identical, not merely close.
+SHARED_COUNTERS = 4096  # ops/attention.cpp kSharedSplitCounters: more groups -> workspace counters
+
+
+def _decode(args, sm, slopes, num_splits, fused, monkeypatch):
+    monkeypatch.setenv(FUSED_ENV, "1" if fused else "0")
+    poison_cuda_allocator()  # outputs and workspaces start as garbage
+    out = qops.paged_decode_attention_int8(*args, sm, slopes, num_splits=num_splits)
+    torch.cuda.synchronize()
+    monkeypatch.delenv(FUSED_ENV)
+    return out
+
+
+def _fused_vs_unfused(monkeypatch, lens, HQ, HKV, D, block_size=16, *, dtype=torch.float16,
+                      static=False, alibi=False, num_splits=0, seed=0):
+    k_cache, v_cache, ks, vs, bt, sl, _, _ = make_cache(lens, HKV, D, block_size, static=static,
+                                                        seed=seed, kv_dtype=dtype)
+    g = torch.Generator().manual_seed(seed + 1)
+    q = (torch.randn(len(lens), HQ, D, generator=g) * 1.5).to(dtype)
+    slopes = alibi_slopes(HQ) if alibi else None
+    sm = 1.0 / math.sqrt(D)
+    dev = [t.cuda() for t in (q, k_cache, v_cache, ks, vs, bt, sl)]
+    dslopes = None if slopes is None else slopes.cuda()
+    fused = _decode(dev, sm, dslopes, num_splits, True, monkeypatch)
+    unfused = _decode(dev, sm, dslopes, num_splits, False, monkeypatch)
+    fused_again = _decode(dev, sm, dslopes, num_splits, True, monkeypatch)
+    assert torch.equal(fused, unfused), float((fused.double() - unfused.double()).abs().max())
+    assert torch.equal(fused_again, fused)
+    ref = decode_attention_reference(q, k_cache, v_cache, ks, vs, bt, sl, sm, slopes,
+                                     dtype=torch.float64)
+    tol = 1.5e-3 if dtype == torch.float16 else 8e-3
+    torch.testing.assert_close(fused.cpu().double(), ref, atol=tol, rtol=tol)
+    return fused
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("case", [
+    # (lens, HQ, HKV, D, dtype, static, alibi, num_splits); num_splits 0 = the heuristic, which
+    # splits these long, small batches (and launches 8 warps per CTA where the grid fits the SMs)
+    ([4097, 1025, 3000], 32, 8, 128, torch.bfloat16, False, False, 0),
+    ([5000, 33], 9, 3, 64, torch.float16, False, False, 0),
+    ([300, 2000], 32, 1, 128, torch.float16, False, False, 0),  # MQA: two head groups of 16
+    ([2000], 32, 32, 128, torch.float16, False, False, 0),  # MHA, B=1
+    ([0, 1, 15, 16, 17, 700], 8, 2, 128, torch.float16, False, True, 2),
+    ([0, 1, 15, 16, 17, 700], 8, 2, 128, torch.float16, False, True, 3),
+    ([0, 1, 15, 16, 17, 700], 8, 2, 128, torch.bfloat16, False, False, 7),
+    ([0, 1, 15, 16, 17, 700], 8, 2, 64, torch.float16, False, False, 64),  # mostly empty splits
+    ([700, 1, 90], 12, 1, 64, torch.bfloat16, False, False, 5),  # 12 rows in one group
+    ([130, 257, 5], 8, 2, 128, torch.float16, True, False, 4),  # static scales
+    ([0, 0], 8, 2, 128, torch.float16, False, False, 2),  # every split empty -> zeros
+])
+def test_gpu_small_fused_merge_matches_unfused(monkeypatch, case):
+    lens, HQ, HKV, D, dtype, static, alibi, ns = case
+    out = _fused_vs_unfused(monkeypatch, lens, HQ, HKV, D, dtype=dtype, static=static,
+                            alibi=alibi, num_splits=ns)
+    for b, L in enumerate(lens):
+        if L == 0:
+            assert bool((out[b] == 0).all())
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("HQ,HKV,D,dtype", [(8, 2, 128, torch.float16), (32, 1, 64, torch.bfloat16),
+                                           (16, 1, 128, torch.bfloat16), (4, 4, 64, torch.float16)])
+def test_gpu_small_fused_merge_max_splits(monkeypatch, HQ, HKV, D, dtype):
+    """num_splits forced to the maximum (128): 128 partials per row, 16 rows per group at most,
+    many splits empty (the short sequences, and the tail of the long ones)."""
+    _fused_vs_unfused(monkeypatch, [2500, 3000, 1, 2049], HQ, HKV, D, dtype=dtype, num_splits=128,
+                      seed=3)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_small_fused_merge_repeated_and_cuda_graph(monkeypatch):
+    """The counters reset themselves: calls in a row (same and different split counts, sharing
+    counter slots), and CUDA graphs replayed with changing inputs, stay bit-identical to the
+    two-kernel path."""
+    lens = [700, 300, 37, 1000]
+    HQ, HKV, D = 8, 2, 128
+    sets = [make_cache(lens, HKV, D, 16, seed=s)[:6] for s in range(3)]  # same shapes, new data
+    gq = torch.Generator().manual_seed(11)
+    qs = [torch.randn(len(lens), HQ, D, generator=gq).to(torch.float16) for _ in range(3)]
+    sls = [(torch.tensor(lens) - torch.tensor([13, 7, 1, 100]) * i).to(torch.int32) for i in range(3)]
+    sm = D ** -0.5
+    static = [t.cuda() for t in (qs[0], *sets[0])]  # q, k_cache, v_cache, ks, vs, bt, sl
+
+    def load(i):
+        for dst, src in zip(static, (qs[i], *sets[i][:5], sls[i])):
+            dst.copy_(src)
+
+    # eager, several in a row
+    load(0)
+    ref0 = _decode(static, sm, None, 8, False, monkeypatch)
+    for _ in range(5):
+        assert torch.equal(_decode(static, sm, None, 8, True, monkeypatch), ref0)
+    for ns in (2, 7, 64, 3, 0, 5, 2):  # different split counts on the same counter slots
+        assert torch.equal(_decode(static, sm, None, ns, True, monkeypatch),
+                           _decode(static, sm, None, ns, False, monkeypatch)), ns
+
+    # a graph holding three fused calls (the counters must be back at 0 between them and at the
+    # end of every replay), replayed with new inputs
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out_a = qops.paged_decode_attention_int8(*static, sm, num_splits=4)
+        out_b = qops.paged_decode_attention_int8(*static, sm, num_splits=16)
+        out_c = qops.paged_decode_attention_int8(*static, sm)
+    for i in (1, 2, 0, 1):
+        load(i)
+        g.replay()
+        torch.cuda.synchronize()
+        got = [out_a.clone(), out_b.clone(), out_c.clone()]
+        for out, ns in zip(got, (4, 16, 0)):
+            assert torch.equal(out, _decode(static, sm, None, ns, False, monkeypatch)), (i, ns)
+        ref = decode_attention_reference(qs[i], *sets[i][:5], sls[i], sm, dtype=torch.float64)
+        torch.testing.assert_close(got[0].cpu().double(), ref, atol=1.5e-3, rtol=1.5e-3)
+        # an eager fused call between replays shares the counters: they are 0 again
+        assert torch.equal(_decode(static, sm, None, 8, True, monkeypatch),
+                           _decode(static, sm, None, 8, False, monkeypatch))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_small_fused_merge_workspace_counters(monkeypatch):
+    """More (sequence, kv head, head group)s than the shared counter buffer holds: the counters
+    go to the per-call workspace, zeroed with a memset (also under a CUDA graph)."""
+    g = torch.Generator().manual_seed(5)
+    B, HQ, HKV, D = 130, 32, 32, 64
+    assert B * HKV > SHARED_COUNTERS
+    lens = torch.randint(0, 80, (B,), generator=g).tolist()
+    k_cache, v_cache, ks, vs, bt, sl, _, _ = make_cache(lens, HKV, D, 16, seed=5)
+    q = torch.randn(B, HQ, D, generator=g).to(torch.float16)
+    args = [t.cuda() for t in (q, k_cache, v_cache, ks, vs, bt, sl)]
+    sm = D ** -0.5
+    fused = _decode(args, sm, None, 3, True, monkeypatch)
+    unfused = _decode(args, sm, None, 3, False, monkeypatch)
+    assert torch.equal(fused, unfused)
+    ref = decode_attention_reference(q, k_cache, v_cache, ks, vs, bt, sl, sm, dtype=torch.float64)
+    torch.testing.assert_close(fused.cpu().double(), ref, atol=1.5e-3, rtol=1.5e-3)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = qops.paged_decode_attention_int8(*args, sm, num_splits=3)
+    for i in range(3):
+        args[0].copy_(torch.randn(B, HQ, D, generator=g).to(torch.float16))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out.clone(), _decode(args, sm, None, 3, False, monkeypatch)), i
+
+
+_FIRST_CALL_CAPTURED = textwrap.dedent("""
+    import os, torch, qops
+    ENV = "QOPS_DECODE_FUSED_REDUCE"
+    torch.manual_seed(0)
+    B, HQ, HKV, D, BS, T = 3, 8, 2, 128, 16, 900
+    nb = B * (T // BS + 1)
+    kc = torch.randint(-127, 128, (nb, HKV, BS, D), dtype=torch.int8, device="cuda")
+    vc = torch.randint(-127, 128, (nb, HKV, BS, D), dtype=torch.int8, device="cuda")
+    ks = torch.rand(nb, HKV, BS, device="cuda") * 0.02 + 1e-3
+    vs = torch.rand(nb, HKV, BS, device="cuda") * 0.02 + 1e-3
+    bt = torch.randperm(nb, device="cuda").to(torch.int32).reshape(B, -1)
+    sl = torch.tensor([T, 500, 1], dtype=torch.int32, device="cuda")
+    q = torch.randn(B, HQ, D, device="cuda", dtype=torch.float16)
+    args = (q, kc, vc, ks, vs, bt, sl)
+
+    def unfused():
+        os.environ[ENV] = "0"
+        try:
+            return qops.paged_decode_attention_int8(*args, num_splits=6)
+        finally:
+            os.environ[ENV] = "1"
+
+    unfused()  # loads the kernels; the two-kernel path never makes the shared counters
+    torch.cuda.synchronize()
+    os.environ[ENV] = "1"
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):  # the first fused call of the process is captured
+        out = qops.paged_decode_attention_int8(*args, num_splits=6)
+    for i in range(3):
+        q.copy_(torch.randn_like(q))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, unfused()), i
+    eager = qops.paged_decode_attention_int8(*args, num_splits=6)  # makes the shared counters
+    assert torch.equal(eager, unfused())
+    g.replay()  # still on its own (workspace) counters
+    torch.cuda.synchronize()
+    assert torch.equal(out, unfused())
+    print("first-call-captured OK")
+""")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_small_fused_merge_first_call_captured():
+    """The first fused call of a process made during a CUDA-graph capture cannot create the
+    shared (zeroed) counters: it takes workspace counters zeroed by a memset node. A fresh process,
+    since this process has made the shared counters long ago."""
+    r = subprocess.run([sys.executable, "-c", _FIRST_CALL_CAPTURED], capture_output=True, text=True,
+                       timeout=600, check=False)
+    assert r.returncode == 0 and "first-call-captured OK" in r.stdout, r.stdout + r.stderr

@@ -4,7 +4,9 @@
 // - One CTA of 4 warps per (sequence, kv head, group of <= 16 query heads, split). The split's
 //   16-token chunks are dealt round-robin to the warps; each warp keeps its own online softmax
 //   (m, l, O) and the CTA merges the 4 warps in shared memory at the end. With one split the CTA
-//   writes the output; with several it writes (O / l, log2-sum-exp) and a second kernel merges.
+//   writes the output; with several it writes (O / l, log2-sum-exp) to a workspace and either
+//   the last CTA of its (sequence, kv head, head group) merges the splits (fused, one launch:
+//   a per-group counter, see "the fused split merge" below) or a second kernel does.
 // - Per chunk, a warp computes S = Q K^T with mma.m16n8k16 (fp16 in, f32 accumulate): query heads
 //   in M (rows >= G are zero), tokens in N, head dim in K. int8 K converts exactly to fp16 (a
 //   byte-permute + one half2 subtract per 2 values); the head dim is permuted so that each thread's
@@ -111,6 +113,18 @@ struct Chunk {
   float2 ks[2], vs[2];               // scales of tokens {2t4, 2t4+1} and {8+2t4, 9+2t4}
   bool ok;                           // the block id is valid
 };
+
+// ---- the split merge arithmetic ------------------------------------------------------------------
+// Shared by the reduce kernel and the fused merge so that both give bit-identical outputs: per
+// output element, over the non-empty splits s = 0, 1, ... in increasing order,
+//   w = exp2(lse[s] - max lse),  wsum += w,  acc = fma(w, partial_out[s], acc),
+// and out = acc / wsum (0 when wsum is not > 0). How elements are dealt to threads does not change
+// any element's value.
+__device__ __forceinline__ float merge_weight(float lse, float m) { return exp2f(lse - m); }
+__device__ __forceinline__ void merge_add(float& acc, float w, float v) { acc = __fmaf_rn(w, v, acc); }
+__device__ __forceinline__ float merge_finish(float acc, float wsum) {
+  return wsum > 0.f ? acc / wsum : 0.f;
+}
 
 // ---- the per-warp shared-memory pipeline ----------------------------------------------------------
 // Each warp streams its chunks through kStages stages of shared memory with cp.async (16-byte,
@@ -534,6 +548,94 @@ __global__ void __launch_bounds__(NW * 32, kMinBlocksPerSm<D, kTwoRows, NW>)
       if (d == 0) p.partial_lse[bh * num_splits + split] = empty ? -INFINITY : m + log2f(l);
     }
   }
+  if (num_splits == 1 || p.split_counters == nullptr) return;  // (CTA-uniform)
+
+  // ---- the fused split merge: the last CTA of this (sequence, kv head, head group) to finish
+  // merges all num_splits partials (CUTLASS's serial split-K reduction / TensorRT-LLM's
+  // multi-block mode). Memory ordering, in the PTX memory model's terms:
+  // - release: every thread fences its partial-output stores (fence.sc.gpu), the CTA barrier
+  //   orders them before thread 0, which fences again (the fence after the barrier is what makes
+  //   thread 0's fence + atomicAdd a release pattern covering the other threads' stores, as in
+  //   cooperative groups' grid sync) and increments the group's counter.
+  // - acquire: the thread 0 that reads num_splits - 1 (every other CTA of the group has already
+  //   released its partials into the counter) fences, and the barrier orders that before the
+  //   merging threads' loads. Those loads are ld.global.cg (__ldcg): served by L2, never by a
+  //   possibly stale L1 line (e.g. of an earlier call's workspace at the same address).
+  // - reset: no other CTA of this launch touches the counter after the last increment, so the
+  //   last CTA sets it back to 0 at once; the kernel's completion makes that visible to the next
+  //   launch on the stream (and to every CUDA-graph replay), so the buffer never needs a memset.
+  // No CTA waits for another: there is no deadlock however the CTAs are scheduled.
+  __threadfence();
+  __syncthreads();
+  int ticket = 0;
+  if (threadIdx.x == 0) {
+    int* counter = p.split_counters + static_cast<int64_t>(b) * gridDim.y + blockIdx.y;
+    __threadfence();
+    ticket = atomicAdd(counter, 1);
+    if (ticket == num_splits - 1) {
+      __threadfence();
+      atomicExch(counter, 0);
+    }
+  }
+  if (!__syncthreads_or(ticket == num_splits - 1)) return;  // not the last CTA (CTA-uniform)
+
+  // The group's lse rows are contiguous ([B, HQ, num_splits], rows h0 .. h0 + rows - 1): stage
+  // them in shared memory (the merge buffers above are no longer read after the barrier), then
+  // each warp takes the max of its rows (exact, order-independent: the reduce kernel's value).
+  const int64_t bh0 = static_cast<int64_t>(b) * p.num_q_heads + h0;
+  float* s_lse = reinterpret_cast<float*>(smem);  // [rows][num_splits]
+  float* s_max = s_lse + rows * num_splits;       // [rows]
+  {
+    const float* g_lse = p.partial_lse + bh0 * num_splits;
+    for (int i = threadIdx.x; i < rows * num_splits; i += kThreads) s_lse[i] = __ldcg(g_lse + i);
+  }
+  __syncthreads();
+  for (int row = warp; row < rows; row += kWarps) {
+    float mx = -INFINITY;
+    for (int s = lane; s < num_splits; s += 32) mx = fmaxf(mx, s_lse[row * num_splits + s]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, o));
+    if (lane == 0) s_max[row] = mx;
+  }
+  __syncthreads();
+  // Each thread merges 4 consecutive elements of one row over all splits in split order, with
+  // kAhead splits' loads in flight (the accumulation order is still s = 0, 1, ...).
+  constexpr int kVec = 4, kAhead = 8;
+  constexpr int kUnits = D / kVec;  // per row
+  for (int u = threadIdx.x; u < rows * kUnits; u += kThreads) {
+    const int row = u / kUnits, d0 = (u % kUnits) * kVec;
+    const float mx = s_max[row];
+    const float* lse = s_lse + row * num_splits;
+    const float* po = p.partial_out + (bh0 + row) * num_splits * D + d0;
+    float acc[kVec] = {0.f, 0.f, 0.f, 0.f};
+    float wsum = 0.f;
+    if (mx != -INFINITY) {
+      for (int s0 = 0; s0 < num_splits; s0 += kAhead) {
+        float4 v[kAhead];
+#pragma unroll
+        for (int i = 0; i < kAhead; ++i) {  // an empty split wrote no partial output: skip it
+          v[i] = s0 + i < num_splits && lse[s0 + i] != -INFINITY
+                     ? __ldcg(reinterpret_cast<const float4*>(po + (s0 + i) * D))
+                     : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+#pragma unroll
+        for (int i = 0; i < kAhead; ++i) {
+          if (s0 + i >= num_splits) break;
+          const float ls = lse[s0 + i];
+          if (ls == -INFINITY) continue;  // an empty split
+          const float w = merge_weight(ls, mx);
+          wsum += w;
+          merge_add(acc[0], w, v[i].x);
+          merge_add(acc[1], w, v[i].y);
+          merge_add(acc[2], w, v[i].z);
+          merge_add(acc[3], w, v[i].w);
+        }
+      }
+    }
+    T* op = static_cast<T*>(p.out) + (bh0 + row) * D + d0;
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) op[e] = from_float<T>(merge_finish(acc[e], wsum));
+  }
 }
 
 // ---- the split merge: one warp per (sequence, query head) ----------------------------------------
@@ -559,25 +661,25 @@ __global__ void __launch_bounds__(128) paged_decode_int8_reduce_kernel(const flo
     for (int s = 0; s < num_splits; ++s) {
       const float ls = lse[s];
       if (ls == -INFINITY) continue;  // an empty split wrote no partial output
-      const float w = exp2f(ls - m);
+      const float w = merge_weight(ls, m);
       wsum += w;
       const float* po = partial_out + (static_cast<int64_t>(row) * num_splits + s) * D + lane * E;
       if constexpr (E == 4) {
         const float4 v = *reinterpret_cast<const float4*>(po);
-        acc[0] += w * v.x;
-        acc[1] += w * v.y;
-        acc[2] += w * v.z;
-        acc[3] += w * v.w;
+        merge_add(acc[0], w, v.x);
+        merge_add(acc[1], w, v.y);
+        merge_add(acc[2], w, v.z);
+        merge_add(acc[3], w, v.w);
       } else {
         const float2 v = *reinterpret_cast<const float2*>(po);
-        acc[0] += w * v.x;
-        acc[1] += w * v.y;
+        merge_add(acc[0], w, v.x);
+        merge_add(acc[1], w, v.y);
       }
     }
   }
   T* op = out + static_cast<int64_t>(row) * D + lane * E;
 #pragma unroll
-  for (int e = 0; e < E; ++e) op[e] = from_float<T>(wsum > 0.f ? acc[e] / wsum : 0.f);
+  for (int e = 0; e < E; ++e) op[e] = from_float<T>(merge_finish(acc[e], wsum));
 }
 
 template <typename T, int D, bool kTwoRows, bool kStatic, int NW>
@@ -602,7 +704,8 @@ cudaError_t launch(const PagedDecodeInt8Params& p, cudaStream_t stream) {
   const int64_t ctas = static_cast<int64_t>(grid.x) * grid.y * grid.z;
   err = ctas <= sms ? launch_split<T, D, kTwoRows, kStatic, 8>(p, grid, stream)
                     : launch_split<T, D, kTwoRows, kStatic, 4>(p, grid, stream);
-  if (err != cudaSuccess || p.num_splits == 1) return err;
+  // one split: the kernel wrote `out`; fused: its last CTAs merged the splits
+  if (err != cudaSuccess || p.num_splits == 1 || p.split_counters != nullptr) return err;
   const int rows = p.batch * p.num_q_heads;
   paged_decode_int8_reduce_kernel<T, D><<<(rows + 3) / 4, 128, 0, stream>>>(
       p.partial_out, p.partial_lse, static_cast<T*>(p.out), rows, p.num_splits);
@@ -640,7 +743,7 @@ int paged_decode_int8_num_splits(int batch, int num_q_heads, int num_kv_heads, i
   if (2 * ctas >= slots) return 1;  // the batch alone fills at least half of that
   // at most `slots` CTAs (a partial second wave of equal CTAs costs a whole CTA time), and at
   // least kMinTokensPerSplit tokens per split (a split's fixed cost: block-table and Q loads,
-  // pipeline fill, merge, its share of the reduce kernel)
+  // pipeline fill, merge, its share of the split merge)
   int64_t s = slots / ctas;
   const int64_t by_len = (static_cast<int64_t>(max_context) + kMinTokensPerSplit - 1) /
                          kMinTokensPerSplit;
@@ -653,6 +756,13 @@ int64_t paged_decode_int8_workspace_floats(int batch, int num_q_heads, int head_
                                            int num_splits) {
   if (num_splits <= 1) return 0;
   return static_cast<int64_t>(batch) * num_q_heads * num_splits * (head_dim + 1);
+}
+
+int64_t paged_decode_int8_num_counters(int batch, int num_q_heads, int num_kv_heads) {
+  if (batch <= 0 || num_kv_heads <= 0 || num_q_heads <= 0) return 0;
+  const int G = num_q_heads / num_kv_heads;
+  const int64_t hg = G > 8 ? (G + 15) / 16 : 1;  // as dispatch_rows / launch
+  return static_cast<int64_t>(batch) * num_kv_heads * hg;
 }
 
 cudaError_t paged_decode_attention_int8(const PagedDecodeInt8Params& p, cudaStream_t stream) {

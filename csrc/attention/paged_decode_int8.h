@@ -9,6 +9,17 @@
 //   out:          [B, HQ, D] contiguous, the query's dtype
 //   partial_out, partial_lse: f32 workspace [B, HQ, num_splits, D] and [B, HQ, num_splits] when
 //                 num_splits > 1 (see paged_decode_int8_workspace_floats)
+//   split_counters: int32 [B, HKV * head_groups] (paged_decode_int8_num_counters) or nullptr.
+//                 With num_splits > 1 and split_counters set, the merge of the splits is fused
+//                 into the split kernel (one launch): every CTA writes its partials, fences, and
+//                 increments its (sequence, kv head, head group) counter; the CTA that sees
+//                 num_splits - 1 merges all splits and writes `out`, and sets the counter back to
+//                 0. The counters must be 0 on entry and are 0 again when the kernel has finished,
+//                 so a zeroed buffer can be reused by every later launch (and CUDA-graph replay)
+//                 that is stream-ordered after this one. Two launches that may run at the same
+//                 time must not share counters. With nullptr (or num_splits == 1) a second
+//                 kernel merges the splits (the two-kernel path). Both paths give bit-identical
+//                 outputs (same merge arithmetic, same split order).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -33,6 +44,7 @@ struct PagedDecodeInt8Params {
   void* out;
   float* partial_out;
   float* partial_lse;
+  int32_t* split_counters;  // fused split merge when non-null (see above)
   int batch, num_q_heads, num_kv_heads, head_dim, block_size, num_blocks, max_blocks;
   int num_splits;
   float sm_scale;
@@ -50,6 +62,11 @@ int paged_decode_int8_num_splits(int batch, int num_q_heads, int num_kv_heads, i
 // Floats of workspace needed for `num_splits` (0 when num_splits == 1).
 int64_t paged_decode_int8_workspace_floats(int batch, int num_q_heads, int head_dim,
                                            int num_splits);
+
+// Counters the fused split merge needs: one per (sequence, kv head, head group) =
+// batch * num_kv_heads * head_groups, where head_groups = ceil(G / 16) when G = num_q_heads /
+// num_kv_heads > 8, else 1.
+int64_t paged_decode_int8_num_counters(int batch, int num_q_heads, int num_kv_heads);
 
 cudaError_t paged_decode_attention_int8(const PagedDecodeInt8Params& p, cudaStream_t stream);
 

@@ -3,7 +3,7 @@
 One query token per sequence, any number of query heads per kv head (MHA, GQA, MQA), the int8
 cache dequantized on the fly with its per-(token, head) or static scales, float32 softmax and
 accumulation, optional ALiBi. The CUDA kernel splits long contexts across CTAs (flash-decoding)
-and merges the partial softmaxes in a second kernel; see docs/kv_cache.md.
+and the last CTA of each head group merges the partial softmaxes; see docs/kv_cache.md.
 """
 from __future__ import annotations
 
