@@ -5,8 +5,17 @@ Reports the time per call (CUDA-graph replay, median, several input sets so that
 flatter), GB/s of the bytes that must move (each input read once, each output written once), the
 fraction of the measured device-to-device copy bandwidth, and the ratio to torch.compile.
 
-    python bench/bench_norm_act.py --out bench/out            # the table
+    python bench/bench_norm_act.py --out bench/out            # the table, then the variants
     python bench/bench_norm_act.py --out bench/out --sweep    # plus launch-shape sweeps
+    python bench/bench_norm_act.py --variants-only            # only the norm variant comparison
+
+The norm ops have two kernels (csrc/norm/norm.cu): "rowres" (one row per CTA, registers only) and
+"pipelined" (persistent CTAs streaming rows through a cp.async shared-memory ring); the launcher
+picks one by a rule, and QOPS_NORM_VARIANT=rowres|pipelined (read on every call, so a CUDA graph
+captures the variant set when it is recorded) forces either. The variant table times both (the
+pipelined kernel also with its ring forced 2 and 3 deep, QOPS_NORM_PIPE_STAGES) at T in
+{4096, 16384} and H in {4096, 8192, 576}, prints rowres / pipelined, and names the kernel the
+rule picks ("auto").
 """
 from __future__ import annotations
 
@@ -47,8 +56,12 @@ def _silu_dyn(x):
     return quantize_int8(y, s.unsqueeze(-1)), s
 
 
-def _env(tpr=None, cluster=None):
-    for k, v in (("QOPS_FQ_TPR", tpr), ("QOPS_FQ_CLUSTER", cluster)):
+_ENV_KEYS = ("QOPS_FQ_TPR", "QOPS_FQ_CLUSTER", "QOPS_NORM_VARIANT", "QOPS_NORM_PIPE_STAGES")
+
+
+def _env(tpr=None, cluster=None, variant=None, stages=None):
+    """Set (or clear, for None) the launch-shape / variant overrides the CUDA glue reads per call."""
+    for k, v in zip(_ENV_KEYS, (tpr, cluster, variant, stages)):
         if v is None:
             os.environ.pop(k, None)
         else:
@@ -119,8 +132,27 @@ def table(args, dtype, copy):
     return rows
 
 
+def _shape_grid(op, T):
+    """(variant, tpr, cluster, stages) overrides swept for one case; all None/0 = auto first."""
+    grid = [("auto", 0, 0, 0)]
+    rowres = "rowres" if not op.startswith("silu") else "auto"  # silu has one kernel
+    for tpr in (0, 128, 256, 512, 1024):
+        for cl in (0, 1, 2, 4, 8):
+            if tpr and cl and T >= 4096 and cl > 2:
+                continue
+            if rowres == "auto" and tpr == 0 and cl == 0:
+                continue  # already the auto entry
+            grid.append((rowres, tpr, cl, 0))
+    if not op.startswith("silu"):
+        for tpr in (0, 64, 128, 256):
+            for stages in (2, 3):
+                grid.append(("pipelined", tpr, 0, stages))
+    return grid
+
+
 def sweep(args, dtype, copy):
-    """Launch-shape sweep at the target shapes (QOPS_FQ_TPR / QOPS_FQ_CLUSTER; 0 = auto)."""
+    """Launch-shape sweep at the target shapes: QOPS_FQ_TPR / QOPS_FQ_CLUSTER (0 = auto) for the
+    row-resident kernels, QOPS_FQ_TPR / QOPS_NORM_PIPE_STAGES for the pipelined norm kernel."""
     cases = [("add_norm_dyn", 4096, 4096), ("norm_dyn", 4096, 4096), ("add_norm_dyn", 16384, 4096),
              ("add_norm_dyn", 4096, 8192), ("norm_dyn", 16384, 8192), ("add_norm_dyn", 16384, 576),
              ("silu_dyn", 4096, 14336), ("silu_dyn", 4096, 11008), ("silu_dyn", 4096, 28672),
@@ -130,40 +162,115 @@ def sweep(args, dtype, copy):
     rows = []
     for op, T, size in cases:
         best = None
-        for tpr in (0, 128, 256, 512, 1024):
-            for cl in (0, 1, 2, 4, 8):
-                if tpr and cl and T >= 4096 and cl > 2:
-                    continue
-                _env(tpr or None, cl or None)
-                try:
-                    us, _, moved = bench_case(op, T, size, dtype, None, replays=20)
-                except (RuntimeError, ValueError) as e:  # a shape that does not fit
-                    print(f"sweep {op} T={T} {size} tpr={tpr} cluster={cl}: {str(e).splitlines()[0][:80]}")
-                    continue
-                r = {"op": op, "T": T, "size": size, "tpr": tpr, "cluster": cl, "us": us,
-                     "GBps": gbps(moved, us), "frac_copy": gbps(moved, us) / copy}
-                rows.append(r)
-                if best is None or us < best["us"]:
-                    best = r
+        auto = None
+        for variant, tpr, cl, stages in _shape_grid(op, T):
+            _env(tpr or None, cl or None, None if variant == "auto" else variant, stages or None)
+            try:
+                us, _, moved = bench_case(op, T, size, dtype, None, replays=20)
+            except (RuntimeError, ValueError) as e:  # a shape that does not fit
+                print(f"sweep {op} T={T} {size} {variant} tpr={tpr} cluster={cl} stages={stages}: "
+                      f"{str(e).splitlines()[0][:80]}")
+                continue
+            r = {"op": op, "T": T, "size": size, "variant": variant, "tpr": tpr, "cluster": cl,
+                 "stages": stages, "us": us, "GBps": gbps(moved, us), "frac_copy": gbps(moved, us) / copy}
+            rows.append(r)
+            if variant == "auto" and tpr == 0 and cl == 0:
+                auto = r
+            if best is None or us < best["us"]:
+                best = r
         _env()
-        print(f"sweep best {op} T={T} {size}: tpr={best['tpr']} cluster={best['cluster']} {best['us']:.2f} us "
-              f"{best['GBps']:.0f} GB/s; auto {[r for r in rows if r['op'] == op and r['T'] == T and r['size'] == size and r['tpr'] == 0 and r['cluster'] == 0][0]['us']:.2f} us",
-              flush=True)
+        if best is None:
+            continue
+        print(f"sweep best {op} T={T} {size}: {best['variant']} tpr={best['tpr']} cluster={best['cluster']} "
+              f"stages={best['stages']} {best['us']:.2f} us {best['GBps']:.0f} GB/s; "
+              f"auto {auto['us'] if auto else float('nan'):.2f} us", flush=True)
     write_csv(rows, os.path.join(args.out, "bench_norm_act_sweep.csv"))
     return rows
 
 
+# ---- the two norm kernels side by side ----------------------------------------------------------
+VARIANT_TOKENS = [4096, 16384]
+VARIANT_HIDDEN = [4096, 8192, 576]
+VARIANT_OPS = ["norm_dyn", "add_norm_dyn", "norm_static", "add_norm_static"]
+
+
+def _auto_kernel(op, T, H, dtype):
+    """Which kernel the launcher's rule runs for this case ("pipelined" / "rowres"), from the kernel
+    name torch.profiler records; "?" when it records none."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        x = torch.randn(T, H, device="cuda", dtype=dtype)
+        r = torch.randn(T, H, device="cuda", dtype=dtype)
+        w = torch.rand(H, device="cuda", dtype=dtype) + 0.5
+        s = None if op.endswith("dyn") else torch.tensor([0.05], device="cuda")
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            if op.startswith("add"):
+                qops.fused_add_rms_norm_quant(x, r, w, EPS, s)
+            else:
+                qops.rms_norm_quant(x, w, EPS, s)
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.events() if "norm_quant" in e.name]
+    except Exception:  # noqa: BLE001 - informational only
+        return "?"
+    if not names:
+        return "?"
+    return "pipelined" if "pipe_kernel" in names[0] else "rowres"
+
+
+def variants(args, dtype, copy):
+    """Both norm kernels (forced with QOPS_NORM_VARIANT) at the many-row shapes; ratio = rowres time /
+    pipelined time (> 1: pipelined is faster)."""
+    saved = {k: os.environ.get(k) for k in _ENV_KEYS}
+    rows = []
+    for H in VARIANT_HIDDEN:
+        for T in VARIANT_TOKENS:
+            for op in VARIANT_OPS:
+                r = {"op": op, "T": T, "H": H}
+                for name, variant, stages in (("rowres", "rowres", None), ("pipelined", "pipelined", None),
+                                              ("pipelined_s2", "pipelined", 2), ("pipelined_s3", "pipelined", 3)):
+                    _env(variant=variant, stages=stages)
+                    us, _, moved = bench_case(op, T, H, dtype, None)
+                    r[f"{name}_us"] = us
+                    r[f"{name}_frac"] = gbps(moved, us) / copy
+                _env()
+                r["ratio"] = r["rowres_us"] / r["pipelined_us"]
+                r["auto"] = _auto_kernel(op, T, H, dtype)
+                rows.append(r)
+                print(f"variants {op:16s} T={T:6d} H={H:5d}: rowres {r['rowres_us']:8.2f} us "
+                      f"({r['rowres_frac']:.2f} of copy)  pipelined {r['pipelined_us']:8.2f} us "
+                      f"({r['pipelined_frac']:.2f}; ring 2: {r['pipelined_s2_us']:.2f}, ring 3: "
+                      f"{r['pipelined_s3_us']:.2f})  rowres/pipelined x{r['ratio']:.2f}  auto={r['auto']}",
+                      flush=True)
+    for k, v in saved.items():  # back to the caller's environment
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    write_csv(rows, os.path.join(args.out, "bench_norm_act_variants.csv"))
+    print(f"norm kernel variants ({args.dtype}), copy bandwidth {copy:.0f} GB/s; ratio = rowres us / pipelined us")
+    print_table(rows, ["op", "T", "H", "rowres_us", "rowres_frac", "pipelined_us", "pipelined_frac",
+                       "pipelined_s2_us", "pipelined_s3_us", "ratio", "auto"])
+    return rows
+
+
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="bench/out")
     p.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16"])
     p.add_argument("--sweep", action="store_true", help="also sweep the launch shapes")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile anchors")
+    p.add_argument("--no-variants", action="store_true", help="skip the rowres / pipelined norm comparison")
+    p.add_argument("--variants-only", action="store_true", help="run only the rowres / pipelined norm comparison")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     dtype = getattr(torch, args.dtype)
     copy = copy_bandwidth_gbps()
     print(f"device: {torch.cuda.get_device_name()}  copy bandwidth (read+write): {copy:.0f} GB/s", flush=True)
+    if args.variants_only:
+        variants(args, dtype, copy)
+        return
     if args.sweep:
         sweep(args, dtype, copy)
     rows = table(args, dtype, copy)
@@ -175,6 +282,8 @@ def main() -> None:
              "GB/s moved", os.path.join(args.out, "bench_norm_act.png"))
     print(f"copy bandwidth {copy:.0f} GB/s; dtype {args.dtype}")
     print_table(rows, ["op", "model", "T", "size", "us", "GBps", "frac_copy", "compile_us", "vs_compile"])
+    if not args.no_variants:
+        variants(args, dtype, copy)
 
 
 if __name__ == "__main__":

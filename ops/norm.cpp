@@ -14,6 +14,31 @@ namespace {
 
 using namespace qops_glue;
 
+// Launch tuning of this family (fq_glue::tuning(): QOPS_FQ_TPR / QOPS_FQ_CLUSTER) plus the norm's
+// own switches, all read with getenv on every call (~0.1 us; a CUDA graph keeps the choice made at
+// capture), so that the benchmark and the tests can switch within one process:
+//   QOPS_NORM_VARIANT     = auto (unset) | rowres | pipelined: force the row-resident kernel or the
+//                           persistent pipelined one (a forced pipelined variant that does not fit
+//                           the input, e.g. unaligned rows or hidden > 8192, runs row-resident);
+//   QOPS_NORM_PIPE_STAGES = 2 | 3: the pipelined kernel's ring depth (default: 3 where it costs no
+//                           occupancy, else 2).
+qops::FusedQuantTuning norm_tuning(const char* op) {
+  qops::FusedQuantTuning t = fq_glue::tuning();
+  if (const char* v = std::getenv("QOPS_NORM_VARIANT"); v != nullptr && *v != '\0') {
+    const std::string s(v);
+    if (s == "rowres") {
+      t.norm_variant = qops::kNormVariantRowResident;
+    } else if (s == "pipelined") {
+      t.norm_variant = qops::kNormVariantPipelined;
+    } else {
+      QOPS_CHECK_VALUE(s == "auto", op,
+                       "QOPS_NORM_VARIANT must be auto, rowres or pipelined, got '", s, "'");
+    }
+  }
+  if (const char* v = std::getenv("QOPS_NORM_PIPE_STAGES")) t.pipe_stages = std::atoi(v);
+  return t;
+}
+
 template <typename T>
 std::tuple<at::Tensor, at::Tensor> run(const char* op, const at::Tensor& input,
                                        at::Tensor* residual, const at::Tensor& weight,
@@ -35,7 +60,7 @@ std::tuple<at::Tensor, at::Tensor> run(const char* op, const at::Tensor& input,
           residual ? static_cast<T*>(residual->data_ptr()) : nullptr, res_stride,
           static_cast<const T*>(weight.data_ptr()), out.data_ptr<int8_t>(),
           scales.data_ptr<float>(), scale ? scale->data_ptr<float>() : nullptr, rows, H,
-          static_cast<float>(epsilon), c10::cuda::getCurrentCUDAStream(), fq_glue::tuning()),
+          static_cast<float>(epsilon), c10::cuda::getCurrentCUDAStream(), norm_tuning(op)),
       op);
   return {out, scales};
 }

@@ -244,7 +244,9 @@ def test_cuda_noncollapsible_leading_dims_error():
 @needs_cuda
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("fused", [False, True])
-def test_cuda_zero_rows_and_saturation(dtype, fused):
+@pytest.mark.parametrize("variant", ["auto", "pipelined"])
+def test_cuda_zero_rows_and_saturation(monkeypatch, dtype, fused, variant):
+    monkeypatch.setenv("QOPS_NORM_VARIANT", variant)
     T, H = 8, 4096
     x, r, w = make(T, H, dtype, "cuda")
     x[2] = 0
@@ -328,3 +330,231 @@ def test_cuda_errors():
         qops.rms_norm_quant(x, w, 1e-6, torch.ones(1))  # CPU scale with CUDA input
     with pytest.raises((ValueError, RuntimeError), match="residual must"):
         qops.fused_add_rms_norm_quant(x, x[:2].clone(), w, 1e-6)
+
+
+# ---- GPU: both kernel variants (QOPS_NORM_VARIANT, read on every call) ---------------------------
+# "rowres": one row (slice) per CTA, registers only; "pipelined": persistent CTAs with a cp.async ring
+# of rows (csrc/norm/norm.cu). The launcher picks pipelined by itself for many rows (>= 16 per SM,
+# e.g. the 4097 x 4096 case of test_cuda_matches_reference on an H100); these tests force each one.
+VARIANTS = ["rowres", "pipelined"]
+# (T, H): T not a multiple of any grid; H covering 1..8 warps per row, whole and partial last
+# vectors per thread (576: 72 vectors on one warp, 4 rows per CTA; 2056: 257 vectors on 3 warps),
+# 1..4 vectors per thread (64, 1000, 1536, 4096, 5120, 8192), and fewer rows than CTAs.
+VARIANT_SIZES = [(4099, 576), (4099, 1536), (4099, 4096), (4099, 5120), (4099, 8192), (4099, 2056),
+                 (1000, 64), (257, 1000), (3, 4096), (1, 8192)]
+
+
+def make_cuda(T, H, dtype, seed=0):
+    """make() drawn on the GPU (large shapes: the CPU generator would dominate the test time)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = (torch.randn(T, H, generator=g, device="cuda") * 3).to(dtype)
+    r = (torch.randn(T, H, generator=g, device="cuda") * 3).to(dtype)
+    w = (torch.rand(H, generator=g, device="cuda") + 0.5).to(dtype)
+    return x, r, w
+
+
+def zero_some_rows(x, r):
+    """Rows 0, T // 2 and T - 1 (the last row only when T < 8; none for T = 1) set to zeros in x and
+    the residual, so that z = 0 too. Returns their indices."""
+    T = x.shape[0]
+    rows = sorted({0, T // 2, T - 1}) if T >= 8 else ([T - 1] if T >= 2 else [])
+    for i in rows:
+        x[i] = 0
+        r[i] = 0
+    return rows
+
+
+def check_against_reference(fused, x, r, w, eps, scale, zero_rows=()):
+    q_ref, s_ref, r_ref = cuda_ref(fused, x, r, w, eps, scale)
+    poison_allocator(4 * x.numel() + 4096)
+    if fused:
+        q, s = qops.fused_add_rms_norm_quant(x, r, w, eps, scale)
+        torch.cuda.synchronize()
+        assert torch.equal(r, r_ref), "residual differs from the rounded x + residual"
+    else:
+        q, s = qops.rms_norm_quant(x, w, eps, scale)
+    torch.cuda.synchronize()
+    assert q.is_contiguous() and q.shape == x.shape
+    assert_q_close(q, q_ref, max_frac=1e-3)
+    assert s.shape == s_ref.shape and s.dtype == torch.float32
+    torch.testing.assert_close(s, s_ref, rtol=2e-6, atol=0)
+    for i in zero_rows:
+        assert torch.all(q[i] == 0)
+        if scale is None:
+            assert s[i].item() == pytest.approx(FLOOR, rel=1e-6)
+    assert not torch.isnan(s).any()
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("T,H", VARIANT_SIZES)
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("fused", [False, True])
+def test_cuda_variant_matches_reference(monkeypatch, variant, dtype, T, H, static, fused):
+    monkeypatch.setenv("QOPS_NORM_VARIANT", variant)
+    x, r, w = make_cuda(T, H, dtype, seed=T * 5 + H)
+    zeros = zero_some_rows(x, r)
+    scale = torch.tensor([0.015], device="cuda") if static else None
+    check_against_reference(fused, x, r, w, 1e-5, scale, zeros)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("T,H", [(4099, 4096), (4099, 576), (517, 8192)])
+@pytest.mark.parametrize("fused", [False, True])
+def test_cuda_variant_strided_rows(monkeypatch, variant, dtype, T, H, fused):
+    """Row strides that are not H (16-byte aligned: the vector paths of both variants), for the
+    input and the residual, which must keep its padding untouched."""
+    monkeypatch.setenv("QOPS_NORM_VARIANT", variant)
+    g = torch.Generator(device="cpu").manual_seed(H + T)
+    x = (torch.randn(T, H + 64, generator=g) * 3).to(dtype).cuda()[:, :H]
+    r_big = (torch.randn(T, H + 24, generator=g) * 3).to(dtype).cuda()
+    r = r_big[:, :H]
+    w = (torch.rand(H, generator=g) + 0.5).to(dtype).cuda()
+    pad = r_big[:, H:].clone()
+    zeros = zero_some_rows(x, r)
+    check_against_reference(fused, x, r, w, 1e-6, None, zeros)
+    assert torch.equal(r_big[:, H:], pad), "the residual's row padding was written"
+    check_against_reference(False, x, r, w, 1e-6, torch.tensor([0.02], device="cuda"))
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("stages,tpr", [("3", None), ("2", "256"), ("3", "128"), (None, "64")])
+def test_cuda_pipelined_shapes(monkeypatch, dtype, fused, stages, tpr):
+    """The pipelined kernel's other ring depth and thread-per-row shapes (QOPS_NORM_PIPE_STAGES,
+    QOPS_FQ_TPR; a hint that does not fit falls back to the default shape)."""
+    monkeypatch.setenv("QOPS_NORM_VARIANT", "pipelined")
+    if stages is not None:
+        monkeypatch.setenv("QOPS_NORM_PIPE_STAGES", stages)
+    if tpr is not None:
+        monkeypatch.setenv("QOPS_FQ_TPR", tpr)
+    for T, H in [(4099, 4096), (2049, 8192), (1031, 1536), (777, 576)]:
+        x, r, w = make_cuda(T, H, dtype, seed=T + H)
+        zeros = zero_some_rows(x, r)
+        check_against_reference(fused, x, r, w, 1e-5, None, zeros)
+        check_against_reference(fused, x, r.clone(), w, 1e-5, torch.tensor([0.01], device="cuda"))
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("fused", [False, True])
+def test_cuda_pipelined_fallbacks(monkeypatch, fused):
+    """Forcing pipelined where it does not apply runs the row-resident kernel: rows only 2-byte
+    aligned (scalar path), hidden above 8192, and a hidden size that is not a multiple of 8."""
+    monkeypatch.setenv("QOPS_NORM_VARIANT", "pipelined")
+    g = torch.Generator(device="cpu").manual_seed(3)
+    for T, H, offset in [(2100, 1536, 1), (300, 11008, 0), (300, 16384, 0), (2100, 1000 + 4, 0)]:
+        big = (torch.randn(T, H + 8, generator=g) * 2).to(torch.bfloat16).cuda()
+        x = big[:, offset:offset + H]
+        w = (torch.rand(H, generator=g) + 0.5).to(torch.bfloat16).cuda()
+        r = torch.randn(T, H, generator=g).to(torch.bfloat16).cuda()
+        check_against_reference(fused, x, r, w, 1e-6, None)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("fused", [False, True])
+def test_cuda_pipelined_nonfinite_rows(monkeypatch, fused):
+    """NaN / Inf rows and a row whose sum of squares overflows, under the pipelined kernel: each
+    such row quantizes to zeros with the floor scale (dynamic), as in the reference."""
+    monkeypatch.setenv("QOPS_NORM_VARIANT", "pipelined")
+    T, H = 2500, 4096
+    for dtype in HALF:
+        x, r, w = make_cuda(T, H, dtype, seed=11)
+        x[3, 5] = float("nan")
+        x[700, 7] = float("inf")
+        if dtype == torch.bfloat16:
+            x[1200, 9] = 3e38  # z^2 overflows: rstd = 0 (z * w may overflow too: y = NaN there)
+        for scale in (None, torch.tensor([0.01], device="cuda")):
+            q_ref, s_ref, r_ref = cuda_ref(fused, x, r, w, 1e-6, scale)
+            rr = r.clone()
+            q, s = (qops.fused_add_rms_norm_quant(x, rr, w, 1e-6, scale) if fused
+                    else qops.rms_norm_quant(x, w, 1e-6, scale))
+            if fused:
+                assert torch.equal(rr, r_ref)
+            assert_q_close(q, q_ref, max_frac=1e-3)
+            torch.testing.assert_close(s, s_ref, rtol=2e-6, atol=0)
+
+
+@gpu
+@needs_cuda
+def test_cuda_pipelined_graph_capture(monkeypatch):
+    monkeypatch.setenv("QOPS_NORM_VARIANT", "pipelined")
+    x, _, w = make_cuda(4099, 4096, torch.float16, seed=5)
+    scale = torch.tensor([0.02], device="cuda")
+    eager = qops.rms_norm_quant(x, w, 1e-6)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        qg, sg = qops.rms_norm_quant(x, w, 1e-6)
+        qs, ss = qops.rms_norm_quant(x, w, 1e-6, scale)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(qg, eager[0]) and torch.equal(sg, eager[1])
+    assert torch.equal(qs, qops.rms_norm_quant(x, w, 1e-6, scale)[0]) and ss.item() == pytest.approx(0.02)
+
+
+@gpu
+@needs_cuda
+def test_cuda_variant_env_errors(monkeypatch):
+    x, _, w = make(4, 64, torch.float16, "cuda")
+    monkeypatch.setenv("QOPS_NORM_VARIANT", "fast")
+    with pytest.raises((ValueError, RuntimeError), match="QOPS_NORM_VARIANT must be"):
+        qops.rms_norm_quant(x, w, 1e-6)
+    monkeypatch.setenv("QOPS_NORM_VARIANT", "auto")
+    qops.rms_norm_quant(x, w, 1e-6)
+
+
+def _kernel_names(fn):
+    """Names of the CUDA kernels `fn` launches (torch.profiler); None when the profiler records no
+    kernels here (no CUPTI)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.events() if "norm_quant" in e.name]
+    except Exception:  # noqa: BLE001 - no usable profiler: the caller skips
+        return None
+    return names or None
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("fused", [False, True])
+def test_cuda_variant_selection(monkeypatch, fused):
+    """Which kernel runs: the default rule (pipelined for >= 16 rows per SM, H <= 8192) and the
+    QOPS_NORM_VARIANT overrides."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    big, small = 16 * sms + 3, 16
+
+    def run(T, H=4096):
+        x, r, w = make_cuda(T, H, torch.bfloat16)
+        return _kernel_names(lambda: qops.fused_add_rms_norm_quant(x, r, w, 1e-6) if fused
+                             else qops.rms_norm_quant(x, w, 1e-6))
+
+    def kind(names):
+        kinds = {"pipelined" if "rms_norm_quant_pipe_kernel" in n else "rowres" for n in names}
+        assert len(kinds) == 1, names
+        return kinds.pop()
+
+    monkeypatch.delenv("QOPS_NORM_VARIANT", raising=False)
+    names = run(big)
+    if names is None:
+        pytest.skip("torch.profiler records no CUDA kernels here")
+    assert kind(names) == "pipelined"
+    assert kind(run(small)) == "rowres"
+    assert kind(run(big, 16384)) == "rowres"  # rows longer than the pipelined kernel takes
+    monkeypatch.setenv("QOPS_NORM_VARIANT", "rowres")
+    assert kind(run(big)) == "rowres"
+    monkeypatch.setenv("QOPS_NORM_VARIANT", "pipelined")
+    assert kind(run(small)) == "pipelined"

@@ -85,6 +85,33 @@ __device__ __forceinline__ void store(T* p, const Vec<T, N>& v) {
   *reinterpret_cast<R*>(p) = *reinterpret_cast<const R*>(&v);
 }
 
+// Asynchronous 16-byte global -> shared copies (sm_80+: cp.async.cg, L2 only, no registers), one
+// commit group per call of cp_async_commit(), waited for with cp_async_wait<N>() (all but the N
+// most recent groups of this thread complete, and their data visible to this thread). Below sm_80
+// the copy is a plain load + store, already complete when issued (the waits are no-ops).
+// `smem` is a 32-bit shared-window address (__cvta_generic_to_shared), 16-byte aligned, as is gmem.
+__device__ __forceinline__ void cp_async16(uint32_t smem, const void* gmem) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem), "l"(gmem) : "memory");
+#else
+  const uint4 v = *reinterpret_cast<const uint4*>(gmem);
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(smem), "r"(v.x), "r"(v.y),
+               "r"(v.z), "r"(v.w)
+               : "memory");
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
 // The quantizer of one row: q = saturate_int8(round_half_even(y / s)) with the quotient of an IEEE
 // float32 division (docs/ops.md), computed without a per-element division: with r = RN(1 / s)
 // (one IEEE division per row), q0 = RN(y * r) is within one ulp of y / s, and Markstein's
@@ -111,28 +138,36 @@ __device__ __forceinline__ uint32_t cvt_s8(float q) {
   asm("cvt.rni.sat.s8.f32 %0, %1;" : "=r"(r) : "f"(q));
   return r & 0xffu;
 }
-template <bool kFast>
+// kInfCheck = false drops the select for y = +-Inf (two instructions per element). Only valid where
+// no y is +-Inf on the fast path: the dynamic per-token scale, where fast means
+// s = fl(amax|y| / 127) <= 1e30, so every |y| <= amax|y| is finite (NaN y gives NaN q either way,
+// and cvt maps NaN to 0, as the checked form does).
+template <bool kFast, bool kInfCheck = true>
 __device__ __forceinline__ uint32_t quant_one(float y, const RowQuant& qz) {
   if constexpr (kFast) {
     const float q0 = y * qz.r;
     const float q = fmaf(fmaf(-qz.s, q0, y), qz.r, q0);
-    return cvt_s8(q != q ? q0 : q);
+    if constexpr (kInfCheck)
+      return cvt_s8(q != q ? q0 : q);
+    else
+      return cvt_s8(q);
   } else {
     return cvt_s8(__fdiv_rn(y, qz.s));
   }
 }
 
 // N quantized values packed into N bytes (little-endian: element 0 in the lowest byte).
-template <bool kFast, int N>
+template <bool kFast, int N, bool kInfCheck = true>
 __device__ __forceinline__ void store_q_impl(int8_t* p, const float (&y_in)[N], const RowQuant& qz) {
   const float(&y)[N] = y_in;
   if constexpr (N % 4 == 0) {
     uint32_t w[N / 4];
 #pragma unroll
     for (int i = 0; i < N / 4; ++i) {
-      w[i] = quant_one<kFast>(y[4 * i], qz) | (quant_one<kFast>(y[4 * i + 1], qz) << 8) |
-             (quant_one<kFast>(y[4 * i + 2], qz) << 16) |
-             (quant_one<kFast>(y[4 * i + 3], qz) << 24);
+      w[i] = quant_one<kFast, kInfCheck>(y[4 * i], qz) |
+             (quant_one<kFast, kInfCheck>(y[4 * i + 1], qz) << 8) |
+             (quant_one<kFast, kInfCheck>(y[4 * i + 2], qz) << 16) |
+             (quant_one<kFast, kInfCheck>(y[4 * i + 3], qz) << 24);
     }
     if constexpr (N == 8) {
       *reinterpret_cast<uint2*>(p) = make_uint2(w[0], w[1]);
@@ -144,7 +179,7 @@ __device__ __forceinline__ void store_q_impl(int8_t* p, const float (&y_in)[N], 
     }
   } else {
 #pragma unroll
-    for (int i = 0; i < N; ++i) p[i] = static_cast<int8_t>(quant_one<kFast>(y[i], qz));
+    for (int i = 0; i < N; ++i) p[i] = static_cast<int8_t>(quant_one<kFast, kInfCheck>(y[i], qz));
   }
 }
 

@@ -21,7 +21,12 @@ namespace qops {
 // contiguous [rows, hidden]; `weight` is [hidden]. The 16-byte vector path needs hidden % 8 == 0
 // and 16-byte aligned rows; other inputs take a scalar path (hidden <= 16384 there). On sm_90 a
 // long row (or a few large rows) is split over a thread-block cluster of up to 8 CTAs.
-// Returns cudaErrorInvalidValue for an unsupported size, else the launch's error.
+// Two kernels (docs/norm_activation.md): row-resident (one row per CTA, registers only) and, on the
+// vector path for many rows (>= 16 per SM) of hidden <= 8192, a persistent pipelined kernel that
+// streams rows through a cp.async ring in shared memory; tuning.norm_variant forces either (a
+// forced pipelined variant that does not fit runs row-resident). The results are the same up to
+// the float32 order of sum(z^2).
+// Returns cudaErrorInvalidValue for an unsupported size, else the first CUDA error.
 template <typename T>
 cudaError_t rms_norm_quant(const T* in, int64_t in_row_stride, T* residual,
                            int64_t residual_row_stride, const T* weight, int8_t* out,
