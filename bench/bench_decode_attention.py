@@ -37,12 +37,13 @@ MODELS = {  # name: (HQ, HKV, D)
 DTYPE = torch.bfloat16
 BLOCK = 16
 MEM_LIMIT = 56 << 30  # bytes of input sets alive at once (the int8 sets are freed before SDPA's)
-FUSED_ENV = "QOPS_DECODE_FUSED_REDUCE"  # "0": split kernel + reduce kernel; else the fused merge
+FUSED_ENV = "QOPS_DECODE_FUSED_REDUCE"  # "0": split kernel + reduce kernel; "1": fused; unset: by rule
 MERGE_COMPARE_BATCHES = (1, 8)
 
 
-def fused_by_default() -> bool:
-    return os.environ.get(FUSED_ENV) != "0"
+def merge_policy() -> str:
+    v = os.environ.get(FUSED_ENV)
+    return {"0": "two kernels (forced)", "1": "fused (forced)"}.get(v, "fused for head_dim 128 and contexts >= 4096")
 
 
 @contextlib.contextmanager
@@ -140,11 +141,13 @@ def run_config(model, B, T, copy_bw, splits_sweep=False, merge_compare=False):
     def make(i, ns=0):
         a = sets[i]
         return lambda: qops.paged_decode_attention_int8(*a, sm, num_splits=ns)
-    us = bench_us(make, n_i8)  # the path the environment selects
-    us_other = None
-    if merge_compare:  # the other merge path, same inputs
-        with merge_path(not fused_by_default()):
-            us_other = bench_us(make, n_i8)
+    us = bench_us(make, n_i8)  # the path the environment (or the glue's rule) selects
+    fused_us = unfused_us = None
+    if merge_compare:  # both merge paths, same inputs
+        with merge_path(True):
+            fused_us = bench_us(make, n_i8)
+        with merge_path(False):
+            unfused_us = bench_us(make, n_i8)
     sweep = []
     if splits_sweep:
         for ns in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -165,8 +168,7 @@ def run_config(model, B, T, copy_bw, splits_sweep=False, merge_compare=False):
         "speedup_vs_sdpa": s_us / us,
         "fused_us": "", "unfused_us": "", "fused_over_unfused": "",
     }
-    if us_other is not None:
-        fused_us, unfused_us = (us, us_other) if fused_by_default() else (us_other, us)
+    if fused_us is not None:
         row.update(fused_us=fused_us, unfused_us=unfused_us, fused_over_unfused=fused_us / unfused_us)
     return row, sweep
 
@@ -185,7 +187,7 @@ def main():
     copy_bw = copy_bandwidth_gbps()
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"copy bandwidth {copy_bw:.0f} GB/s (read + write); split merge: "
-          f"{'fused (default)' if fused_by_default() else f'two kernels ({FUSED_ENV}=0)'}")
+          f"{merge_policy()}")
     Bs = (1, 8, 32, 128)
     Ts = (1024, 4096, 16384)
     if args.quick:

@@ -264,25 +264,31 @@ cudaError_t current_device(Device* out) {{
   return cudaSuccess;
 }}
 
-// Output tile and relative rate of each config (w8a8_configs.TileConfig.cta, .rate).
+// Output tile, cluster, scheduler and relative rate of each config (w8a8_configs.TileConfig).
 struct Tile {{
-  int m, n;
+  int m, n, cluster_m, cluster_n;
+  bool stream_k;
   double rate;
 }};
 constexpr Tile kTiles[] = {{
 {tiles}
 }};
 
+int64_t round_up(int64_t x, int64_t k) {{ return (x + k - 1) / k * k; }}
+
 // w8a8_configs.wave_cost / select_config: among `candidates`, the config whose busiest SM has the
-// least work (tiles dealt round-robin to the SMs); the first one on ties.
+// least work (whole clusters of tiles dealt round-robin to the SMs; stream-K shares them out
+// evenly); the first one on ties.
 int fewest_waves(std::initializer_list<int> candidates, int m, int n, int num_sms) {{
   int best = -1;
   double best_cost = 0;
   for (const int c : candidates) {{
-    const int64_t tiles = static_cast<int64_t>((m + kTiles[c].m - 1) / kTiles[c].m) *
-                          ((n + kTiles[c].n - 1) / kTiles[c].n);
-    const double cost = static_cast<double>((tiles + num_sms - 1) / num_sms) * kTiles[c].m *
-                        kTiles[c].n / kTiles[c].rate;
+    const Tile& t = kTiles[c];
+    const int64_t tiles = round_up((m + t.m - 1) / t.m, t.cluster_m) *
+                          round_up((n + t.n - 1) / t.n, t.cluster_n);
+    const double rounds = t.stream_k ? static_cast<double>(tiles) / num_sms
+                                     : static_cast<double>((tiles + num_sms - 1) / num_sms);
+    const double cost = rounds * t.m * t.n / t.rate;
     if (best < 0 || cost < best_cost) {{
       best = c;
       best_cost = cost;
@@ -351,7 +357,8 @@ def _selection_code() -> str:
 
 
 def _tiles_code() -> str:
-    return "\n".join(f"    {{{c.cta[0]}, {c.cta[1]}, {c.rate!r}}},  // {c.name}" for c in table.CONFIGS)
+    return "\n".join(f"    {{{c.cta[0]}, {c.cta[1]}, {c.cluster[0]}, {c.cluster[1]}, "
+                     f"{'true' if c.stream_k else 'false'}, {c.rate!r}}},  // {c.name}" for c in table.CONFIGS)
 
 
 def generate(nvcc_version: str) -> dict[str, str]:

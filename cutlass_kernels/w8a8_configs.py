@@ -52,7 +52,7 @@ CONFIGS: tuple[TileConfig, ...] = (
     # overlaps the other's MMAs. About 0.93x the 128x256 tile's rate when both fill the GPU.
     TileConfig((128, 128, 128), (2, 1, 1), "pingpong", rate=0.93),
     # Prefill at small N (70B-tp8 qkv, N = 1280: 10 N tiles): stream-K spreads K over the SMs.
-    TileConfig((128, 128, 128), (1, 1, 1), "cooperative", stream_k=True),
+    TileConfig((128, 128, 128), (1, 1, 1), "cooperative", stream_k=True, rate=0.7),
     # Prefill (large M and N): 1.3-1.55 POP/s at M >= 1024 on the Llama layers.
     TileConfig((128, 256, 128), (2, 1, 1), "cooperative"),
 )
@@ -80,14 +80,18 @@ SELECTION: tuple[Rule, ...] = (
     Rule("64x64x256_c1x8x1_ws", max_m=64, max_n=8191),
     Rule("64x128x256_c1x4x1_ws", max_m=64),
     Rule("64x64x256_c1x8x1_ws", max_m=128, max_n=2048),
+    Rule("64x128x256_c1x4x1_ws", max_m=96),
     Rule("64x128x256_c1x4x1_ws", max_m=128, max_n=4096),
     Rule("128x64x128_c1x2x1_cooperative", max_m=128),
-    Rule("64x64x256_c1x8x1_ws", max_m=256, max_n=2048),
+    Rule("64x64x256_c1x8x1_ws", max_m=320, max_n=2048),
+    Rule("64x128x256_c1x4x1_ws", max_m=192, max_n=4096),
     Rule("128x64x128_c1x2x1_cooperative", max_m=256, max_n=4096),
     Rule("128x128x128_c2x1x1_pingpong", max_m=256),
+    Rule("128x64x128_c1x2x1_cooperative", max_m=768, max_n=2048),
     Rule("128x128x128_c1x1x1_cooperative_streamk", max_n=2048),
     Rule("128x128x128_c2x1x1_pingpong", max_k=2048),
-    Rule(("128x256x128_c2x1x1_cooperative", "128x128x128_c2x1x1_pingpong")),
+    Rule(("128x256x128_c2x1x1_cooperative", "128x128x128_c2x1x1_pingpong",
+          "128x128x128_c1x1x1_cooperative_streamk")),
 )
 
 DEFAULT_SMS = 132  # H100 SXM
@@ -102,10 +106,14 @@ def _by_name() -> dict[str, TileConfig]:
 
 
 def wave_cost(cfg: TileConfig, m: int, n: int, num_sms: int) -> float:
-    """Relative time of a compute-bound problem on `cfg`: the tiles of the busiest SM (tiles are
-    dealt round-robin to the SMs), each of cta_m x cta_n outputs at the config's rate."""
-    tiles = -(-m // cfg.cta[0]) * -(-n // cfg.cta[1])
-    return -(-tiles // num_sms) * cfg.cta[0] * cfg.cta[1] / cfg.rate
+    """Relative time of a compute-bound problem on `cfg`: the tiles of the busiest SM (tiles, in
+    whole clusters, are dealt round-robin to the SMs; stream-K shares them out evenly), each of
+    cta_m x cta_n outputs at the config's rate."""
+    tiles_m = -(-(-(-m // cfg.cta[0])) // cfg.cluster[0]) * cfg.cluster[0]
+    tiles_n = -(-(-(-n // cfg.cta[1])) // cfg.cluster[1]) * cfg.cluster[1]
+    tiles = tiles_m * tiles_n
+    rounds = tiles / num_sms if cfg.stream_k else -(-tiles // num_sms)
+    return rounds * cfg.cta[0] * cfg.cta[1] / cfg.rate
 
 
 def select_config(m: int, n: int, k: int, num_sms: int = DEFAULT_SMS) -> str:

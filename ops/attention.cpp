@@ -72,12 +72,18 @@ int32_t* shared_split_counters(int device, cudaStream_t stream, int64_t needed, 
   return ptr;
 }
 
-// QOPS_DECODE_FUSED_REDUCE=0 selects the two-kernel path (split kernel + reduce kernel); unset or
-// anything else, the fused one. Read at every call (cheap next to a launch), so a benchmark can
-// compare both in one process; a captured graph keeps the path it was captured with.
-bool fused_reduce_enabled() {
+// Whether the split merge runs fused into the split kernel. QOPS_DECODE_FUSED_REDUCE=0 or =1
+// forces the two-kernel or the fused path; unset, the fused path runs where it measured faster
+// (H100, bench/bench_decode_attention.py, docs/kv_cache.md): head_dim 128 with contexts of 4096
+// tokens and more (6-7% at B=1 for Llama-3-8B GQA). With head_dim 64 (SmolLM2) and short contexts
+// the last CTA's serial merge costs more than the second launch saves (up to 17% slower), and
+// elsewhere the two are within 1%. Read at every call, so a benchmark can compare both in one
+// process; a captured graph keeps the path it was captured with.
+bool fused_reduce_enabled(int head_dim, int max_context) {
   const char* v = std::getenv("QOPS_DECODE_FUSED_REDUCE");
-  return v == nullptr || std::strcmp(v, "0") != 0;
+  if (v != nullptr && std::strcmp(v, "0") == 0) return false;
+  if (v != nullptr && std::strcmp(v, "1") == 0) return true;
+  return head_dim == 128 && max_context >= 4096;
 }
 
 at::Tensor paged_decode_attention_int8_cuda(const at::Tensor& query, const at::Tensor& k_cache,
@@ -158,7 +164,7 @@ at::Tensor paged_decode_attention_int8_cuda(const at::Tensor& query, const at::T
   // int32s after the workspace's floats.
   int32_t* counters = nullptr;
   int64_t ws_counters = 0;
-  if (ws > 0 && fused_reduce_enabled()) {
+  if (ws > 0 && fused_reduce_enabled(static_cast<int>(D), max_context)) {
     const int64_t n = qops::attention::paged_decode_int8_num_counters(
         static_cast<int>(B), static_cast<int>(HQ), static_cast<int>(HKV));
     counters = shared_split_counters(query.device().index(), stream, n, op);

@@ -20,13 +20,13 @@ from qops.attention import alibi_slopes, decode_attention_reference
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 OP = "paged_decode_attention_int8"
 # Read by the CUDA glue at every call: "0" selects the two-kernel split merge (split kernel +
-# reduce kernel); unset (the default) or anything else, the merge fused into the split kernel.
+# reduce kernel), "1" the merge fused into the split kernel; unset, the glue's rule picks.
 FUSED_ENV = "QOPS_DECODE_FUSED_REDUCE"
 
 
 @pytest.fixture(autouse=True)
 def _default_merge_path(monkeypatch):
-    """Every test starts on the default (fused) path, whatever the caller's environment says."""
+    """Every test starts on the default path (the glue's rule), whatever the caller's environment says."""
     monkeypatch.delenv(FUSED_ENV, raising=False)
 
 
