@@ -199,23 +199,35 @@ def test_bad_inputs(over, match):
 
 
 # ---- GPU: the CUDA kernel -------------------------------------------------------------------------
-def _gpu_case(lens, HQ, HKV, D, block_size, *, dtype=torch.float16, static=False, alibi=False,
-              num_splits=0, seed=0, check_quant_error=False):
+def _gpu_inputs(lens, HQ, HKV, D, block_size, *, dtype, static, alibi, seed):
+    """A random cache and query: (CPU tensors, their CUDA copies, sm_scale, CPU/CUDA slopes)."""
     k_cache, v_cache, ks, vs, bt, sl, k_fp, v_fp = make_cache(lens, HKV, D, block_size, static=static,
                                                               seed=seed, kv_dtype=dtype)
     g = torch.Generator().manual_seed(seed + 1)
     q = (torch.randn(len(lens), HQ, D, generator=g) * 1.5).to(dtype)
     slopes = alibi_slopes(HQ) if alibi else None
-    sm = 1.0 / math.sqrt(D)
-    dev = [t.cuda() for t in (q, k_cache, v_cache, ks, vs, bt, sl)]
-    out = qops.paged_decode_attention_int8(*dev, sm, None if slopes is None else slopes.cuda(),
-                                           num_splits=num_splits).cpu()
-    assert out.dtype == dtype and out.shape == q.shape
-    ref = decode_attention_reference(q, k_cache, v_cache, ks, vs, bt, sl, sm, slopes,
-                                     dtype=torch.float64)
+    cpu = (q, k_cache, v_cache, ks, vs, bt, sl)
+    dev = [t.cuda() for t in cpu]
+    return cpu, (k_fp, v_fp), dev, 1.0 / math.sqrt(D), slopes, None if slopes is None else slopes.cuda()
+
+
+def _check_against_reference(out, cpu, sm, slopes, dtype):
+    """`out` vs the float64 reference on the dequantized cache; returns the reference."""
+    ref = decode_attention_reference(*cpu, sm, slopes, dtype=torch.float64)
     # tight: the output dtype's rounding plus float32 accumulation
     tol = 1.5e-3 if dtype == torch.float16 else 8e-3
-    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(out.cpu().double(), ref, atol=tol, rtol=tol)
+    return ref
+
+
+def _gpu_case(lens, HQ, HKV, D, block_size, *, dtype=torch.float16, static=False, alibi=False,
+              num_splits=0, seed=0, check_quant_error=False):
+    cpu, (k_fp, v_fp), dev, sm, slopes, dslopes = _gpu_inputs(
+        lens, HQ, HKV, D, block_size, dtype=dtype, static=static, alibi=alibi, seed=seed)
+    q = cpu[0]
+    out = qops.paged_decode_attention_int8(*dev, sm, dslopes, num_splits=num_splits).cpu()
+    assert out.dtype == dtype and out.shape == q.shape
+    ref = _check_against_reference(out, cpu, sm, slopes, dtype)
     err = {}
     if check_quant_error:
         fp = fp_attention(q, k_fp, v_fp, sm, slopes)
@@ -357,23 +369,14 @@ def _decode(args, sm, slopes, num_splits, fused, monkeypatch):
 
 def _fused_vs_unfused(monkeypatch, lens, HQ, HKV, D, block_size=16, *, dtype=torch.float16,
                       static=False, alibi=False, num_splits=0, seed=0):
-    k_cache, v_cache, ks, vs, bt, sl, _, _ = make_cache(lens, HKV, D, block_size, static=static,
-                                                        seed=seed, kv_dtype=dtype)
-    g = torch.Generator().manual_seed(seed + 1)
-    q = (torch.randn(len(lens), HQ, D, generator=g) * 1.5).to(dtype)
-    slopes = alibi_slopes(HQ) if alibi else None
-    sm = 1.0 / math.sqrt(D)
-    dev = [t.cuda() for t in (q, k_cache, v_cache, ks, vs, bt, sl)]
-    dslopes = None if slopes is None else slopes.cuda()
+    cpu, _, dev, sm, slopes, dslopes = _gpu_inputs(lens, HQ, HKV, D, block_size, dtype=dtype,
+                                                   static=static, alibi=alibi, seed=seed)
     fused = _decode(dev, sm, dslopes, num_splits, True, monkeypatch)
     unfused = _decode(dev, sm, dslopes, num_splits, False, monkeypatch)
     fused_again = _decode(dev, sm, dslopes, num_splits, True, monkeypatch)
     assert torch.equal(fused, unfused), float((fused.double() - unfused.double()).abs().max())
     assert torch.equal(fused_again, fused)
-    ref = decode_attention_reference(q, k_cache, v_cache, ks, vs, bt, sl, sm, slopes,
-                                     dtype=torch.float64)
-    tol = 1.5e-3 if dtype == torch.float16 else 8e-3
-    torch.testing.assert_close(fused.cpu().double(), ref, atol=tol, rtol=tol)
+    _check_against_reference(fused, cpu, sm, slopes, dtype)
     return fused
 
 

@@ -558,9 +558,8 @@ cudaError_t pipe_blocks_per_sm(PipeKernel fn, int threads, size_t smem, int* blo
 }
 
 // Launches the pipelined kernel when the shape fits (*launched = true); otherwise leaves the
-// launch to the row-resident kernel. Returns the first CUDA error. Without a QOPS_NORM_PIPE_STAGES
-// override the ring is 3 deep when that keeps the CTAs per SM of a 2-deep ring (registers, not
-// shared memory, limit them: H = 4096 and 8192 without the residual), else 2 deep.
+// launch to the row-resident kernel. Returns the first CUDA error. The ring is kPipeDefaultStages
+// deep unless QOPS_NORM_PIPE_STAGES says otherwise (choose_pipe_shape).
 template <typename T>
 cudaError_t try_launch_pipelined(const NormParams& p, const FusedQuantTuning& tuning, int sms,
                                  cudaStream_t stream, bool* launched) {
@@ -575,18 +574,6 @@ cudaError_t try_launch_pipelined(const NormParams& p, const FusedQuantTuning& tu
   int blocks_per_sm = 0;
   cudaError_t e = pipe_blocks_per_sm(fn, threads, sh.smem, &blocks_per_sm);
   if (e != cudaSuccess) return e;
-  if (kPipeDefaultStages == 3 && tuning.pipe_stages != 2) {  // 3 stages where they cost no CTAs
-    const size_t smem3 = sh.smem / 2 * 3;
-    const PipeKernel fn3 = pipe_kernel<T>(sh.nv, 3, res);
-    int blocks3 = 0;
-    if ((e = pipe_blocks_per_sm(fn3, threads, smem3, &blocks3)) != cudaSuccess) return e;
-    if (blocks3 >= blocks_per_sm && blocks3 > 0) {
-      fn = fn3;
-      sh.stages = 3;
-      sh.smem = smem3;
-      blocks_per_sm = blocks3;
-    }
-  }
   if (blocks_per_sm < 1) return cudaSuccess;
   const int64_t groups = (p.rows + sh.rows_per_block - 1) / sh.rows_per_block;
   const int64_t grid = std::min<int64_t>(groups, static_cast<int64_t>(blocks_per_sm) * sms);
