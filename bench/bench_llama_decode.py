@@ -87,6 +87,11 @@ def run_one(fn, name, batch, ctx, dev) -> dict:
     except NotImplementedError as e:
         row = _oom_row(name, batch, ctx, e)
         row["note"] = f"no kernel: {str(e).splitlines()[0][:80]}"
+    except Exception as e:  # a compiled anchor that does not trace is reported, not fatal
+        if "compile" not in name:
+            raise
+        row = _oom_row(name, batch, ctx, e)
+        row["note"] = f"compile failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}"
     _free(dev)
     return row
 
@@ -107,9 +112,10 @@ def bench_model(name: str, a, dev, dtype) -> tuple[list[dict], list[dict]]:
     grid = [(c, b) for c in a.contexts for b in a.batches]
     for ctx, b in grid:
         for spec in a.baselines:
-            attn, cache = spec.split("/")
-            label = f"HF fp16 {attn}/{cache}"
-            r = run_one(functools.partial(time_hf_decode, hf, b, ctx, cache=cache, attn=attn, **base),
+            attn, cache, *comp = spec.split("/")
+            label = f"HF fp16 {attn}/{cache}" + (f" +compile({comp[0]})" if comp else "")
+            r = run_one(functools.partial(time_hf_decode, hf, b, ctx, cache=cache, attn=attn,
+                                          compile_backend=comp[0] if comp else None, **base),
                         label, b, ctx, dev)
             rows.append({"model": name, **r})
             print(f"  {label:28s} B={b:<3d} ctx={ctx:<5d} {r['tokens_per_s']:10.1f} tok/s  "
@@ -203,7 +209,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--fill", default="random", choices=["random", "prefill"])
-    p.add_argument("--baselines", default="eager/dynamic,eager/static,sdpa/dynamic,sdpa/static")
+    p.add_argument("--baselines", default="eager/dynamic,eager/static,sdpa/dynamic,sdpa/static",
+                   help="HF fp16 anchors as attn/cache[/compile backend], e.g. sdpa/static/cudagraphs "
+                        "(torch.compile of the decode step replayed as a CUDA graph)")
     p.add_argument("--variants", default="W8A8+KV8", help="qops variants (labels as QuantConfig.from_label), "
                    "e.g. W8A8+KV8,W8A8,KV8 (the float-cache variants run PyTorch attention)")
     p.add_argument("--cuda-graph", action="store_true", help="also time the qops decode step as a CUDA graph")

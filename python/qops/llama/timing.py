@@ -154,14 +154,22 @@ def _position_kwargs(model, pos: torch.Tensor) -> dict:
 @torch.no_grad()
 def time_hf_decode(model, batch: int, context: int, steps: int = 32, warmup: int = 3, *, cache: str = "dynamic",
                    attn: str = "sdpa", fill: str = "random", prefill_chunk: int = 256,
-                   vocab_limit: int | None = None) -> DecodeTiming:
+                   vocab_limit: int | None = None, compile_backend: str | None = None) -> DecodeTiming:
     """Decode throughput of a Hugging Face ``LlamaForCausalLM`` (its own dtype) with a
     ``DynamicCache`` or ``StaticCache`` and ``eager`` or ``sdpa`` attention.
 
     ``fill="random"`` writes random K/V through ``cache.update`` (no prefill compute);
-    ``"prefill"`` runs the model over random ids in chunks of ``prefill_chunk`` tokens."""
+    ``"prefill"`` runs the model over random ids in chunks of ``prefill_chunk`` tokens.
+    ``compile_backend`` (static cache only): run the decode step through
+    ``torch.compile(model.forward, backend=..., fullgraph=True)``; ``"cudagraphs"`` replays it as
+    a CUDA graph (transformers' recommended fast decode: static cache + compile), ``"inductor"``
+    also fuses kernels (needs triton). Compilation happens in three extra warm-up steps."""
     dev = model.device
     cfg = model.config
+    if compile_backend and cache != "static":
+        raise ValueError(f"compile_backend needs the static cache (fixed shapes), got cache={cache!r}")
+    if compile_backend:
+        warmup += 3  # trace, then (cudagraphs) warm up and record
     old_attn = cfg._attn_implementation
     _set_attn(model, attn)
     try:
@@ -191,13 +199,17 @@ def time_hf_decode(model, batch: int, context: int, steps: int = 32, warmup: int
                 model(input_ids=ids, past_key_values=kv, use_cache=True,
                       **_position_kwargs(model, torch.arange(s, s + n, device=dev)), **keep)
         tok = torch.randint(0, vocab, (batch, 1), device=dev, generator=g)
+        fwd = model
+        if compile_backend:
+            torch._dynamo.reset()
+            fwd = torch.compile(model, backend=compile_backend, fullgraph=True, dynamic=False)
         times = []
         for i in range(warmup + steps):
             p = context + i
             _sync(dev)
             t0 = time.perf_counter()
-            out = model(input_ids=tok, past_key_values=kv, use_cache=True,
-                        **_position_kwargs(model, torch.tensor([p], device=dev)))
+            out = fwd(input_ids=tok, past_key_values=kv, use_cache=True,
+                      **_position_kwargs(model, torch.tensor([p], device=dev)))
             tok = out.logits[:, -1].argmax(-1, keepdim=True)
             tok.tolist()  # synchronize like the qops loop does
             if i >= warmup:
@@ -207,7 +219,8 @@ def time_hf_decode(model, batch: int, context: int, steps: int = 32, warmup: int
         kvb = 2 * a.num_hidden_layers * hkv * d * torch.finfo(model.dtype).bits // 8
         wb = sum(p.numel() * p.element_size() for p in {p.data_ptr(): p for p in model.parameters()}.values())
         dt = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(model.dtype, str(model.dtype).replace("torch.", ""))
-        return _summarize(f"HF {dt} {attn}/{cache}", batch, context, times, dev, kvb, wb,
+        tag = f" +compile({compile_backend})" if compile_backend else ""
+        return _summarize(f"HF {dt} {attn}/{cache}{tag}", batch, context, times, dev, kvb, wb,
                           note=f"transformers, fill={fill}")
     finally:
         _set_attn(model, old_attn)
