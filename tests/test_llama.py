@@ -396,6 +396,26 @@ def test_cuda_matches_cpu(sd, ids, variant):
     assert agree >= 0.8 * 8 * ids.shape[0]
 
 
+@pytest.mark.parametrize("qcfg", [
+    QuantConfig(smoothquant=True, smooth_targets=("qkv", "gate_up", "down", "o")),
+    QuantConfig(activations="static", kv_scales="static", smoothquant=True)], ids=["SQ-all", "static+SQ"])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_weights_with_calibration(sd, ids, qcfg):
+    """Weights on the GPU, calibration statistics on the CPU (their contract): SmoothQuant and
+    static scales give the model the CPU path gives (the evaluation quantizes this way)."""
+    from qops.llama.quantize import quantize_state_dict
+
+    calib = torch.randint(0, TINY.vocab_size, (128,), generator=torch.Generator().manual_seed(5))
+    stats = calibrate(sd, TINY, calib, seq_len=64, progress=False)
+    sd_gpu = {k: v.cuda() for k, v in sd.items()}
+    gpu = quantize_state_dict(sd_gpu, TINY, qcfg, stats=stats, dtype=torch.float16).eval()
+    assert gpu.device.type == "cuda"
+    cpu = quantize_state_dict(sd, TINY, qcfg, stats=stats, dtype=torch.float16).eval()
+    m = compare(gpu.score(ids.cuda()).cpu(), cpu.score(ids))
+    assert m["rel"] < 0.03 and m["top1"] > 0.95, m
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_graph_decode_matches_eager(sd):

@@ -143,6 +143,7 @@ def smooth_factors(act_amax: torch.Tensor, weight: torch.Tensor, alpha: float,
     ``groups = (H_kv, G, D)``: the K channels are ``[H_kv, G, D]`` and ``s`` must not depend on
     ``G`` (o_proj, whose factor is folded into v_proj's ``[H_kv, D]`` rows).
     """
+    act_amax = act_amax.to(weight.device)  # statistics live on the CPU, weights anywhere
     a = act_amax.float().clamp(min=1e-5)
     w = weight.float().abs().amax(0).clamp(min=1e-5)
     if groups is not None:
@@ -257,7 +258,7 @@ def quantize_state_dict(sd: dict, args: LlamaArgs, qcfg: QuantConfig, *, calibra
             stats = dict(stats)
             for i in range(args.num_layers):
                 s = factors[f"layers.{i}.o"].view(args.num_kv_heads, -1, args.head_dim)[:, 0, :]
-                stats[f"layers.{i}.v"] = stats[f"layers.{i}.v"] / s
+                stats[f"layers.{i}.v"] = stats[f"layers.{i}.v"] / s.to(stats[f"layers.{i}.v"].device)
     input_scales = None
     if qcfg.weights and qcfg.activations == "static":
         input_scales = {}

@@ -1,0 +1,155 @@
+"""Tune ``qops.w8a8_gemm``'s config choice for the Llama layer shapes: time every generated tile
+config at every M bucket from 1 to 8192 and write the per-shape dispatch table
+``cutlass_kernels/w8a8_tuned.json`` (read by the generator: the table is data, the code is
+generated from it).
+
+Why buckets: every config's tile count in M is a function of ceil(M / 64) (64- and 128-row CTA
+tiles, clusters of 1 or 2 in M), so the winner can only change at multiples of 64. Up to M = 1024
+each 64-row bucket is timed at its top (its fullest tiles); above, where only 128-row tiles win,
+each 128-row bucket; M <= 16 (decode) is its own bucket. Between two buckets whose best configs
+are within ``--tolerance`` the earlier pick is kept (fewer switches, less noise).
+
+    python bench/tune_w8a8_gemm.py --out bench/out                  # on the GPU: sweep + table
+    python bench/tune_w8a8_gemm.py --from-csv bench/out/tune_w8a8.csv  # rebuild the table only
+
+Check the result with a held-out sweep at other M values:
+``bench/bench_w8a8_gemm.py --sweep --no-anchors --tokens ...`` reports auto over best.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, os.path.join(ROOT, "cutlass_kernels"))
+import w8a8_configs as table  # noqa: E402
+
+DEFAULT_JSON = os.path.join(ROOT, "cutlass_kernels", "w8a8_tuned.json")
+
+
+def buckets(max_m: int = 8192) -> list[int]:
+    """The M values timed: the top of each bucket."""
+    ms = [16] + list(range(64, min(1024, max_m) + 1, 64))
+    ms += list(range(1024 + 128, max_m + 1, 128))
+    return ms
+
+
+def build_table(rows: list[dict], tolerance: float) -> list[dict]:
+    """Per (N, K): ``picks = [[max_m, config], ...]`` (ascending max_m, runs merged), from rows of
+    ``layer, M, N, K, <config>_us...``."""
+    names = table.config_names()
+    shapes: dict[tuple[int, int], dict] = {}
+    for r in rows:
+        key = (int(r["N"]), int(r["K"]))
+        s = shapes.setdefault(key, {"layer": r["layer"], "n": key[0], "k": key[1], "points": []})
+        times = {c: float(r[f"{c}_us"]) for c in names if r.get(f"{c}_us") not in (None, "", "nan")}
+        s["points"].append((int(r["M"]), times))
+    out = []
+    for s in shapes.values():
+        picks: list[list] = []
+        prev = None
+        for m, times in sorted(s["points"], key=lambda pt: pt[0]):
+            best = min(times.values())
+            pick = min(times, key=times.get)
+            if prev is not None and prev in times and times[prev] <= best * (1 + tolerance):
+                pick = prev
+            if picks and picks[-1][1] == pick:
+                picks[-1][0] = m
+            else:
+                picks.append([m, pick])
+            prev = pick
+        out.append({"layer": s["layer"], "n": s["n"], "k": s["k"], "picks": picks})
+    return out
+
+
+def sweep(layers, ms, out_dir) -> list[dict]:
+    import torch
+
+    sys.path.insert(0, HERE)
+    from bench_w8a8_gemm import time_ours  # the same timing (CUDA graph, rotated L2-cold inputs)
+
+    rows = []
+    path = os.path.join(out_dir, "tune_w8a8.csv")
+    names = table.config_names()
+    t0 = time.time()
+    total = len(layers) * len(ms)
+    for li, (layer, n, k) in enumerate(layers):
+        for m in ms:
+            r = {"layer": layer, "M": m, "N": n, "K": k}
+            for c in names:
+                r[f"{c}_us"] = time_ours(m, n, k, c)
+            rows.append(r)
+        done = len(rows)
+        print(f"[{done}/{total}] {layer} N={n} K={k} done, {time.time() - t0:.0f} s", flush=True)
+        with open(path, "w", newline="") as f:  # after every layer: a partial run is not lost
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+        torch.cuda.empty_cache()
+    print(f"wrote {path}")
+    return rows
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="bench/out")
+    p.add_argument("--from-csv", help="build the table from an earlier sweep instead of timing")
+    p.add_argument("--layers", help="comma-separated layer names (default: all of bench_w8a8_gemm's)")
+    p.add_argument("--max-m", type=int, default=8192)
+    p.add_argument("--tolerance", type=float, default=0.03,
+                   help="keep the previous bucket's config if within this fraction of the best")
+    p.add_argument("--json", default=None, help=f"table to write (default: {DEFAULT_JSON} with --from-csv, "
+                   "else OUT/w8a8_tuned.json)")
+    a = p.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    if a.from_csv:
+        with open(a.from_csv) as f:
+            rows = list(csv.DictReader(f))
+        device, sms = None, None
+        meta_path = os.path.splitext(a.from_csv)[0] + ".meta.json"
+        if os.path.exists(meta_path):
+            with open(meta_path) as f:
+                meta = json.load(f)
+            device, sms = meta["device"], meta["num_sms"]
+        json_path = a.json or DEFAULT_JSON
+    else:
+        import torch
+
+        sys.path.insert(0, HERE)
+        from bench_w8a8_gemm import LAYERS
+
+        layers = LAYERS
+        if a.layers:
+            layers = [l for l in LAYERS if l[0] in a.layers.split(",")]
+        device = torch.cuda.get_device_name()
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        ms = buckets(a.max_m)
+        print(f"device: {device} ({sms} SMs); {len(layers)} shapes x {len(ms)} M buckets x "
+              f"{len(table.config_names())} configs", flush=True)
+        rows = sweep(layers, ms, a.out)
+        with open(os.path.join(a.out, "tune_w8a8.meta.json"), "w") as f:
+            json.dump({"device": device, "num_sms": sms}, f)
+        json_path = a.json or os.path.join(a.out, "w8a8_tuned.json")
+    if sms is None:
+        p.error("the sweep's .meta.json (device, SM count) is missing next to the CSV")
+    shapes = build_table(rows, a.tolerance)
+    doc = {"about": "qops.w8a8_gemm config per (N, K) and M bucket, written by bench/tune_w8a8_gemm.py; "
+                    "used only on GPUs with num_sms SMs (other problems: SELECTION's rules)",
+           "device": device, "num_sms": sms, "tolerance": a.tolerance, "shapes": shapes}
+    with open(json_path, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+    for s in shapes:
+        print(f"{s['layer']:16s} N={s['n']:6d} K={s['k']:6d}: "
+              + ", ".join(f"<={m}:{c.split('_c')[0]}/{c.split('_')[-1][:6]}" for m, c in s["picks"]))
+    print(f"wrote {json_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
