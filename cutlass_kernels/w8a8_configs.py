@@ -12,6 +12,8 @@ the name is the ``config=`` value that ``qops.w8a8_gemm`` accepts.
 """
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 
 
@@ -96,6 +98,31 @@ SELECTION: tuple[Rule, ...] = (
 
 DEFAULT_SMS = 132  # H100 SXM
 
+# Measured per-shape choice (bench/tune_w8a8_gemm.py): for the tuned (N, K) on a GPU with the
+# tuned SM count, ``[(max_m, config), ...]`` by M bucket; it takes precedence over SELECTION,
+# whose rules cover every other problem. M above the last bucket takes the last pick.
+TUNED_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "w8a8_tuned.json")
+
+
+def _load_tuned(path: str = TUNED_PATH) -> tuple[int | None, dict[tuple[int, int], tuple[tuple[int, str], ...]]]:
+    if not os.path.exists(path):
+        return None, {}
+    with open(path) as f:
+        doc = json.load(f)
+    shapes = {(int(s["n"]), int(s["k"])): tuple((int(m), str(c)) for m, c in s["picks"]) for s in doc["shapes"]}
+    return int(doc["num_sms"]), shapes
+
+
+TUNED_SMS, TUNED = _load_tuned()
+
+
+def tuned_config(m: int, n: int, k: int, num_sms: int) -> str | None:
+    """The tuned table's config for this problem, or None where the table does not apply."""
+    picks = TUNED.get((n, k)) if num_sms == TUNED_SMS else None
+    if not picks:
+        return None
+    return next((c for max_m, c in picks if m <= max_m), picks[-1][1])
+
 
 def config_names() -> list[str]:
     return [c.name for c in CONFIGS]
@@ -118,6 +145,9 @@ def wave_cost(cfg: TileConfig, m: int, n: int, num_sms: int) -> float:
 
 def select_config(m: int, n: int, k: int, num_sms: int = DEFAULT_SMS) -> str:
     """The config ``config="auto"`` picks (the generated C++ ``select_config`` is this function)."""
+    tuned = tuned_config(m, n, k, num_sms)
+    if tuned is not None:
+        return tuned
     configs = _by_name()
     for r in SELECTION:
         if all(b is None or v <= b for v, b in ((m, r.max_m), (n, r.max_n), (k, r.max_k))):
@@ -135,6 +165,10 @@ def check_table() -> None:
     for r in SELECTION:
         for name in (r.pick,) if isinstance(r.pick, str) else r.pick:
             assert name in names, f"SELECTION names an unknown config {name}"
+    for (n, k), picks in TUNED.items():
+        for max_m, name in picks:
+            assert name in names, f"{TUNED_PATH}: N={n} K={k} names an unknown config {name}"
+        assert [m for m, _ in picks] == sorted({m for m, _ in picks}), f"{TUNED_PATH}: N={n} K={k}: unsorted"
     for c in CONFIGS:
         assert c.schedule in ("ws", "pingpong", "cooperative"), c
         assert c.schedule != "cooperative" or c.cta[0] >= 128, f"{c.name}: cooperative needs CTA M >= 128"

@@ -150,7 +150,7 @@ def test_generator_is_deterministic_and_emits_the_table(tmp_path):
         outs.append({os.path.basename(p): _read(p) for p in r.stdout.split()})
     assert outs[0] == outs[1], "the generator is not deterministic"
     files = outs[0]
-    assert len(files) == len(table.CONFIGS) * len(table.OUT_DTYPES) * len(table.SCALE_MODES) + 1
+    assert len(files) == len(table.CONFIGS) * len(table.OUT_DTYPES) * len(table.SCALE_MODES) + 2
     for cfg in table.CONFIGS:
         m, n, k = cfg.cta
         cm, cn, ck = cfg.cluster
@@ -167,6 +167,46 @@ def test_generator_is_deterministic_and_emits_the_table(tmp_path):
         assert f'"{name}"' in dispatch
     everything = "".join(files.values())
     assert "#include <torch" not in everything and "ATen" not in everything  # torch-free kernels
+
+
+def test_generated_selection_matches_the_table(tmp_path):
+    """The generated C++ select_config (host-only header) picks what w8a8_configs.select_config
+    picks: tuned shapes at every M bucket edge and off-table shapes, at several SM counts."""
+    pytest.importorskip("cutlass_cppgen", reason="nvidia-cutlass is not installed")
+    import shutil
+    import subprocess
+
+    cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no host C++ compiler")
+    gen = os.path.join(ROOT, "cutlass_kernels", "gen_w8a8.py")
+    r = subprocess.run([sys.executable, gen, "--out", str(tmp_path / "gen")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    ms = sorted({1, 2, 15, 16, 17, 63, 64, 65, 100, 1000, 5000, 8192, 8193, 20000}
+                | {m + d for picks in table.TUNED.values() for m, _ in picks for d in (-1, 0, 1)})
+    shapes = sorted(set(table.TUNED) | {(4096, 4096), (576, 1536), (1280, 8192), (28672, 4096), (100, 64),
+                                        (16384, 2048), (2048, 16384)})
+    problems = [(m, n, k, sms) for (n, k) in shapes for m in ms for sms in (132, 114, 78)]
+    main_cc = tmp_path / "main.cc"
+    main_cc.write_text(
+        '#include <cstdio>\n#include "w8a8_select.h"\n'
+        "int main() {\n  int m, n, k, s;\n"
+        '  while (std::scanf("%d %d %d %d", &m, &n, &k, &s) == 4)\n'
+        '    std::printf("%d\\n", qops::w8a8_sm90::select::select_config(m, n, k, s));\n}\n')
+    exe = tmp_path / "select"
+    r = subprocess.run([cxx, "-std=c++17", "-O1", "-I", str(tmp_path / "gen"), str(main_cc), "-o", str(exe)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run([str(exe)], input="".join(f"{m} {n} {k} {s}\n" for m, n, k, s in problems),
+                       capture_output=True, text=True, check=True)
+    names = table.config_names()
+    got = [names[int(x)] for x in r.stdout.split()]
+    want = [table.select_config(m, n, k, s) for m, n, k, s in problems]
+    assert len(got) == len(problems)
+    bad = [(p, g, w) for p, g, w in zip(problems, got, want) if g != w]
+    assert not bad, bad[:10]
+    assert table.TUNED, "the tuned table is empty: the check above tested the rules only"
+    assert any(table.tuned_config(m, n, k, s) for m, n, k, s in problems)
 
 
 # ---- CUDA ---------------------------------------------------------------------------------------
