@@ -77,8 +77,9 @@ def _oom_row(name, batch, ctx, err) -> dict:
             "step_ms_median": float("nan"), "peak_memory": None, "note": f"OOM: {str(err).splitlines()[0][:80]}"}
 
 
-def run_one(fn, name, batch, ctx, dev) -> dict:
-    """One timing; out-of-memory and missing kernels become a row with a note (the sweep goes on)."""
+def run_one(fn, name, batch, ctx, dev, compiled: bool = False) -> dict:
+    """One timing; out-of-memory and missing kernels (and, for a ``compiled`` anchor, any failure
+    to trace) become a row with a note (the sweep goes on)."""
     row = None
     try:
         row = fn().row()
@@ -87,8 +88,8 @@ def run_one(fn, name, batch, ctx, dev) -> dict:
     except NotImplementedError as e:
         row = _oom_row(name, batch, ctx, e)
         row["note"] = f"no kernel: {str(e).splitlines()[0][:80]}"
-    except Exception as e:  # a compiled anchor that does not trace is reported, not fatal
-        if "compile" not in name:
+    except Exception as e:
+        if not compiled:
             raise
         row = _oom_row(name, batch, ctx, e)
         row["note"] = f"compile failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}"
@@ -116,7 +117,7 @@ def bench_model(name: str, a, dev, dtype) -> tuple[list[dict], list[dict]]:
             label = f"HF fp16 {attn}/{cache}" + (f" +compile({comp[0]})" if comp else "")
             r = run_one(functools.partial(time_hf_decode, hf, b, ctx, cache=cache, attn=attn,
                                           compile_backend=comp[0] if comp else None, **base),
-                        label, b, ctx, dev)
+                        label, b, ctx, dev, compiled=bool(comp))
             rows.append({"model": name, **r})
             print(f"  {label:28s} B={b:<3d} ctx={ctx:<5d} {r['tokens_per_s']:10.1f} tok/s  "
                   f"{r['step_ms_median']:8.2f} ms/step  {r.get('note', '')}", flush=True)
@@ -223,6 +224,10 @@ def main(argv=None) -> int:
     a.batches = [int(x) for x in a.batches.split(",")]
     a.contexts = [int(x) for x in a.contexts.split(",")]
     a.baselines = [x for x in a.baselines.split(",") if x]
+    bad = [x for x in a.baselines if len(x.split("/")) not in (2, 3) or (len(x.split("/")) == 3
+                                                                      and x.split("/")[1] != "static")]
+    if bad:
+        p.error(f"--baselines: {bad}: expected attn/cache or attn/static/backend (compiling needs the static cache)")
     a.variants = [x for x in a.variants.split(",") if x]
     dev = torch.device(a.device)
     dtype = torch.float16

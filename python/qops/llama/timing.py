@@ -161,7 +161,7 @@ def time_hf_decode(model, batch: int, context: int, steps: int = 32, warmup: int
     ``fill="random"`` writes random K/V through ``cache.update`` (no prefill compute);
     ``"prefill"`` runs the model over random ids in chunks of ``prefill_chunk`` tokens.
     ``compile_backend`` (static cache only): run the decode step through
-    ``torch.compile(model.forward, backend=..., fullgraph=True)``; ``"cudagraphs"`` replays it as
+    ``torch.compile(model, backend=..., fullgraph=True, dynamic=False)``; ``"cudagraphs"`` replays it as
     a CUDA graph (transformers' recommended fast decode: static cache + compile), ``"inductor"``
     also fuses kernels (needs triton). Compilation happens in three extra warm-up steps."""
     dev = model.device
