@@ -2,12 +2,16 @@
 # One command for the lent GPU machine: install the carried wheels, build qops with CUDA, run the
 # GPU tests and the chosen benchmarks, and leave logs and CSVs under $OUT.
 #
-#   bash tools/device_run.sh [-t PYTEST_ARGS] [-b "BENCH_SCRIPT ARGS"]... [--no-sm90] [--sanitize "CMD"]
+#   bash tools/device_run.sh [-t PYTEST_ARGS] [-b "BENCH_SCRIPT ARGS"]... [-x "CMD"]... [--no-sm90]
+#                            [--sanitize "CMD"] [--no-build]
 #
 #   -t ARGS      pytest arguments (default: "-m gpu tests"); "none" skips the tests
 #   -b "S ARGS"  run `python S ARGS --out $OUT` (repeatable), e.g. -b "bench/bench_quant.py"
 #   --no-sm90    skip the sm_90a CUTLASS kernels (much faster build when working on other kernels)
 #   --sanitize C run C under compute-sanitizer memcheck and racecheck (e.g. "python -m pytest ...")
+#   -x "CMD"     run CMD with bash (repeatable; logged as cmdN.log), e.g. an ncu profile:
+#                -x "ncu --clock-control none -k regex:rms_norm --launch-skip 2 --launch-count 1
+#                    --set full python3 bench/probe_memory_bound.py --ncu norm"
 #   --no-build   reuse the extension an earlier call on the same warm machine built (the copy of the
 #                tree gets fresh timestamps, so a rebuild recompiles everything: ~3 minutes); only
 #                valid when no C++/CUDA source changed since that call
@@ -19,6 +23,7 @@ OUT=${OUT:-$PWD/device_out}
 mkdir -p "$OUT"
 TESTS="-m gpu tests"
 BENCHES=()
+CMDS=()
 SANITIZE=""
 BUILD=1
 export QOPS_ENABLE_SM90=${QOPS_ENABLE_SM90:-ON}
@@ -26,6 +31,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     -t) TESTS="$2"; shift 2 ;;
     -b) BENCHES+=("$2"); shift 2 ;;
+    -x) CMDS+=("$2"); shift 2 ;;
     --no-sm90) export QOPS_ENABLE_SM90=OFF; shift ;;
     --sanitize) SANITIZE="$2"; shift 2 ;;
     --no-build) BUILD=0; shift ;;
@@ -86,6 +92,11 @@ for b in "${BENCHES[@]}"; do
   name=$(basename "${b%% *}" .py)
   # shellcheck disable=SC2086
   step "bench $b" "$name.log" python3 $b --out "$OUT" || rc_all=1
+done
+i=0
+for c in "${CMDS[@]}"; do
+  i=$((i + 1))
+  step "cmd$i: ${c:0:60}" "cmd$i.log" bash -c "$c" || rc_all=1
 done
 echo "==== summary"
 printf '%s\n' "${summary[@]}" | tee "$OUT/summary.txt"

@@ -1,0 +1,191 @@
+"""Probes for the memory-bound kernels: what the memory system gives at *these* sizes, and where
+the norm and decode-attention kernels lose time. A diagnostic companion to bench_norm_act.py and
+bench_decode_attention.py (their tables are the reported numbers; this explains them).
+
+Stream probes (CUDA-graph replay over L2-rotated sets, median, as the benchmarks time):
+  - a device copy moving the same bytes as the norm (read + write), and the 1 GiB copy ceiling;
+  - a bf16 -> int8 cast (out.copy_(x)): the norm's exact traffic pattern (2 bytes read, 1 written
+    per element) with no reduction, i.e. the best a "read row, write int8" kernel can expect;
+  - the norm kernels (auto, row-resident, pipelined) and the fused add.
+Decode probes: B = 1 paged int8 decode at forced split counts, and the fixed cost of a call
+(one 16-token chunk per CTA).
+
+    python bench/probe_memory_bound.py [--out DIR]
+    python bench/probe_memory_bound.py --ncu norm|add_norm|decode [--T T] [--splits S]
+        (runs one case a few times eagerly, for `ncu -k ... --launch-skip 2 --launch-count 1`)
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+import qops
+from qops.bench_utils import bench_us, copy_bandwidth_gbps, gbps, l2_rotation_sets, print_table, write_csv
+
+EPS = 1e-5
+GQA = (32, 8, 128)  # Llama-3-8B: HQ, HKV, D
+
+
+def _sets(n, make):
+    return [make() for _ in range(n)]
+
+
+def stream_rows(copy_bw):
+    rows = []
+    dt = torch.bfloat16
+    for T, H in ((4096, 4096), (16384, 4096), (4096, 8192)):
+        n = l2_rotation_sets(T * H * 2)
+        xs = _sets(n, lambda: torch.randn(T, H, device="cuda", dtype=dt))
+        rs = _sets(n, lambda: torch.randn(T, H, device="cuda", dtype=dt))
+        w = torch.rand(H, device="cuda", dtype=dt) + 0.5
+        outs = _sets(n, lambda: torch.empty(T, H, device="cuda", dtype=torch.int8))
+        norm_bytes = T * H * 3 + H * 2 + T * 4
+        add_bytes = T * H * 7 + H * 2 + T * 4
+        # copies moving the same total bytes (half read, half write)
+        cp_n = norm_bytes // 2
+        srcs = _sets(l2_rotation_sets(cp_n), lambda: torch.empty(cp_n, dtype=torch.uint8, device="cuda").random_(0, 255))
+        dsts = [torch.empty_like(s) for s in srcs]
+        copy_us = bench_us(lambda i: (lambda: dsts[i].copy_(srcs[i])), len(srcs))
+        del srcs, dsts
+        cast_us = bench_us(lambda i: (lambda: outs[i].copy_(xs[i])), n)
+
+        def norm(variant):
+            if variant is None:
+                os.environ.pop("QOPS_NORM_VARIANT", None)
+            else:
+                os.environ["QOPS_NORM_VARIANT"] = variant
+            try:
+                return bench_us(lambda i: (lambda: qops.rms_norm_quant(xs[i], w, EPS)), n)
+            finally:
+                os.environ.pop("QOPS_NORM_VARIANT", None)
+        n_auto, n_rr, n_pipe = norm(None), norm("rowres"), norm("pipelined")
+        add_us = bench_us(lambda i: (lambda: qops.fused_add_rms_norm_quant(xs[i], rs[i], w, EPS)), n)
+        cp2_n = add_bytes // 2
+        srcs = _sets(l2_rotation_sets(cp2_n), lambda: torch.empty(cp2_n, dtype=torch.uint8, device="cuda").random_(0, 255))
+        dsts = [torch.empty_like(s) for s in srcs]
+        copy2_us = bench_us(lambda i: (lambda: dsts[i].copy_(srcs[i])), len(srcs))
+        del srcs, dsts, xs, rs, outs
+        torch.cuda.empty_cache()
+        for name, us, nb, ref in (("copy (norm bytes)", copy_us, norm_bytes, copy_us),
+                                  ("cast bf16->int8", cast_us, T * H * 3, copy_us),
+                                  ("norm auto", n_auto, norm_bytes, copy_us),
+                                  ("norm rowres", n_rr, norm_bytes, copy_us),
+                                  ("norm pipelined", n_pipe, norm_bytes, copy_us),
+                                  ("copy (add bytes)", copy2_us, add_bytes, copy2_us),
+                                  ("add+norm auto", add_us, add_bytes, copy2_us)):
+            bw = gbps(nb, us)
+            rows.append({"case": name, "T": T, "H": H, "us": us, "GBps": bw, "of_copy_1GiB": bw / copy_bw,
+                         "of_same_size_copy": bw / gbps(nb, ref)})
+            print(f"{name:20s} {T:6d}x{H:<5d} {us:8.2f} us {bw:6.0f} GB/s  {bw / copy_bw:.3f} of 1 GiB copy"
+                  f"  {rows[-1]['of_same_size_copy']:.3f} of the same-size copy", flush=True)
+    return rows
+
+
+def decode_problem(B, T, seed, block=16):
+    HQ, HKV, D = GQA
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    nblk = -(-T // block)
+    num_blocks = B * nblk
+    k = torch.randint(-127, 128, (num_blocks, HKV, block, D), dtype=torch.int8, device="cuda", generator=g)
+    v = torch.randint(-127, 128, k.shape, dtype=torch.int8, device="cuda", generator=g)
+    ks = torch.rand(num_blocks, HKV, block, device="cuda", generator=g) * 0.02 + 1e-3
+    vs = torch.rand(num_blocks, HKV, block, device="cuda", generator=g) * 0.02 + 1e-3
+    bt = torch.randperm(num_blocks, device="cuda", generator=g).to(torch.int32).view(B, nblk)
+    q = torch.randn(B, HQ, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    sl = torch.full((B,), T, dtype=torch.int32, device="cuda")
+    return q, k, v, ks, vs, bt, sl
+
+
+def decode_rows(copy_bw):
+    rows = []
+    HQ, HKV, D = GQA
+    for T in (1024, 4096, 16384):
+        per = 2 * T * HKV * D
+        n = l2_rotation_sets(per)
+        sets = [decode_problem(1, T, i) for i in range(n)]
+        nbytes = 2 * T * HKV * D + 2 * T * HKV * 4
+        configs = [(0, "auto", 0)]
+        for ns in (4, 8, 16, 32):
+            for merge in ("cluster", "fused"):
+                for warps in (4, 8):
+                    if ns > 8 and merge == "cluster":
+                        continue
+                    configs.append((ns, merge, warps))
+        for ns, merge, warps in configs:
+            if ns * 16 > T:
+                continue
+            env = {}
+            if merge != "auto":
+                env = {"QOPS_DECODE_CLUSTER_MERGE": "1" if merge == "cluster" else "0",
+                       "QOPS_DECODE_FUSED_REDUCE": "1"}
+            if warps:
+                env["QOPS_DECODE_WARPS"] = str(warps)
+            os.environ.update(env)
+            try:
+                us = bench_us(lambda i, ns=ns: (lambda: qops.paged_decode_attention_int8(*sets[i], D ** -0.5, num_splits=ns)), n)
+            finally:
+                for k in env:
+                    os.environ.pop(k, None)
+            rows.append({"case": "decode B=1 gqa", "T": T, "num_splits": ns or "auto", "merge": merge,
+                         "warps": warps or "auto", "us": us, "GBps": gbps(nbytes, us),
+                         "of_copy_1GiB": gbps(nbytes, us) / copy_bw})
+            print(f"decode B=1 T={T:6d} splits={ns or 'auto':>4} {merge:8s} warps={warps or 'auto':>4}: "
+                  f"{us:7.2f} us {gbps(nbytes, us):6.0f} GB/s", flush=True)
+        del sets
+        torch.cuda.empty_cache()
+    return rows
+
+
+def ncu_case(args):
+    torch.manual_seed(0)
+    T = args.T
+    if args.ncu in ("norm", "add_norm"):
+        x = torch.randn(T, 4096, device="cuda", dtype=torch.bfloat16)
+        r = torch.randn_like(x)
+        w = torch.rand(4096, device="cuda", dtype=torch.bfloat16) + 0.5
+        for _ in range(5):
+            if args.ncu == "norm":
+                qops.rms_norm_quant(x, w, EPS)
+            else:
+                qops.fused_add_rms_norm_quant(x, r, w, EPS)
+    elif args.ncu == "decode":
+        a = decode_problem(1, T, 0)
+        for _ in range(5):
+            qops.paged_decode_attention_int8(*a, GQA[2] ** -0.5, num_splits=args.splits)
+    else:
+        raise SystemExit(f"unknown --ncu case {args.ncu!r}")
+    torch.cuda.synchronize()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="bench/out")
+    ap.add_argument("--ncu", default=None, help="run one case eagerly for a profiler: norm, add_norm, decode")
+    ap.add_argument("--T", type=int, default=4096)
+    ap.add_argument("--splits", type=int, default=0)
+    ap.add_argument("--skip-stream", action="store_true")
+    ap.add_argument("--skip-decode", action="store_true")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("needs CUDA")
+        return 0
+    if args.ncu:
+        ncu_case(args)
+        return 0
+    copy_bw = copy_bandwidth_gbps()
+    print(f"device: {torch.cuda.get_device_name()}, copy bandwidth (1 GiB) {copy_bw:.0f} GB/s")
+    for name, skip, fn in (("stream", args.skip_stream, stream_rows),
+                           ("decode", args.skip_decode, decode_rows)):
+        if skip:
+            continue
+        rows = fn(copy_bw)
+        write_csv(rows, os.path.join(args.out, f"probe_{name}.csv"))
+        print_table(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
