@@ -7,10 +7,12 @@ Effective bandwidth counts the bytes the int8 kernel actually reads (int8 K and 
 q, block tables) and writes (out); SDPA's counts its bf16 K/V. Times are medians of CUDA-graph
 replays over several input sets (L2 does not hold the previous call's cache).
 
-At the small-batch rows (B = 1 and 8) the int8 kernel is also timed with the other split-merge
-path (QOPS_DECODE_FUSED_REDUCE: the merge fused into the split kernel -- the default, one launch
--- vs the split kernel + reduce kernel), and the ratio fused / unfused is printed (< 1: the fused
-merge is faster). `int8_us` is always the path the environment selects (the default: fused).
+At the small-batch rows (B = 1 and 8) the int8 kernel is also timed on each split-merge path: the
+cluster merge (QOPS_DECODE_CLUSTER_MERGE, through distributed shared memory, one launch -- the
+default where the splits fit a cluster), the merge fused into the split kernel through a
+workspace and counters (QOPS_DECODE_FUSED_REDUCE=1, one launch), and the split kernel + reduce
+kernel (=0); the ratios cluster / unfused and fused / unfused are printed (< 1: faster than two
+kernels). `int8_us` is always the path the environment selects.
 
     python bench/bench_decode_attention.py [--out DIR] [--quick] [--no-merge-compare]
 """
@@ -38,26 +40,35 @@ DTYPE = torch.bfloat16
 BLOCK = 16
 MEM_LIMIT = 56 << 30  # bytes of input sets alive at once (the int8 sets are freed before SDPA's)
 FUSED_ENV = "QOPS_DECODE_FUSED_REDUCE"  # "0": split kernel + reduce kernel; "1": fused; unset: by rule
+CLUSTER_ENV = "QOPS_DECODE_CLUSTER_MERGE"  # "0": no cluster merge; unset/"1": where it fits
 MERGE_COMPARE_BATCHES = (1, 8)
 
 
 def merge_policy() -> str:
+    c = os.environ.get(CLUSTER_ENV)
     v = os.environ.get(FUSED_ENV)
-    return {"0": "two kernels (forced)", "1": "fused (forced)"}.get(v, "fused for head_dim 128 and contexts >= 4096")
+    base = {"0": "two kernels (forced)", "1": "fused (forced)"}.get(
+        v, "fused for head_dim 128 and contexts >= 4096, else two kernels")
+    if c == "0":
+        return base
+    return f"cluster merge where the splits fit a cluster (<= 16), else {base}"
 
 
 @contextlib.contextmanager
-def merge_path(fused: bool):
-    """Selects the split-merge path of the calls made (and of the graphs captured) inside."""
-    old = os.environ.get(FUSED_ENV)
-    os.environ[FUSED_ENV] = "1" if fused else "0"
+def merge_path(path: str):
+    """Selects the split-merge path ("cluster", "fused", "unfused") of the calls made (and of the
+    graphs captured) inside."""
+    old = {k: os.environ.get(k) for k in (FUSED_ENV, CLUSTER_ENV)}
+    os.environ[CLUSTER_ENV] = "1" if path == "cluster" else "0"
+    os.environ[FUSED_ENV] = "1" if path == "fused" else "0"
     try:
         yield
     finally:
-        if old is None:
-            os.environ.pop(FUSED_ENV, None)
-        else:
-            os.environ[FUSED_ENV] = old
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def int8_problem(B, HQ, HKV, D, lens, seed, block_size=BLOCK):
@@ -142,11 +153,13 @@ def run_config(model, B, T, copy_bw, splits_sweep=False, merge_compare=False):
         a = sets[i]
         return lambda: qops.paged_decode_attention_int8(*a, sm, num_splits=ns)
     us = bench_us(make, n_i8)  # the path the environment (or the glue's rule) selects
-    fused_us = unfused_us = None
-    if merge_compare:  # both merge paths, same inputs
-        with merge_path(True):
+    cluster_us = fused_us = unfused_us = None
+    if merge_compare:  # every merge path, same inputs
+        with merge_path("cluster"):
+            cluster_us = bench_us(make, n_i8)
+        with merge_path("fused"):
             fused_us = bench_us(make, n_i8)
-        with merge_path(False):
+        with merge_path("unfused"):
             unfused_us = bench_us(make, n_i8)
     sweep = []
     if splits_sweep:
@@ -166,10 +179,13 @@ def run_config(model, B, T, copy_bw, splits_sweep=False, merge_compare=False):
         "sdpa_us": s_us, "sdpa_backend": s_name,
         "sdpa_GBps": gbps(set_bytes_16, s_us) if s_us < float("inf") else 0.0,
         "speedup_vs_sdpa": s_us / us,
-        "fused_us": "", "unfused_us": "", "fused_over_unfused": "",
+        "cluster_us": "", "fused_us": "", "unfused_us": "", "cluster_over_unfused": "",
+        "fused_over_unfused": "",
     }
     if fused_us is not None:
-        row.update(fused_us=fused_us, unfused_us=unfused_us, fused_over_unfused=fused_us / unfused_us)
+        row.update(cluster_us=cluster_us, fused_us=fused_us, unfused_us=unfused_us,
+                   cluster_over_unfused=cluster_us / unfused_us,
+                   fused_over_unfused=fused_us / unfused_us)
     return row, sweep
 
 
@@ -205,8 +221,8 @@ def main():
                 sweeps += sw
                 merge = ""
                 if row["fused_over_unfused"] != "":
-                    merge = (f"  fused/unfused {row['fused_over_unfused']:.3f} "
-                             f"({row['fused_us']:.1f} / {row['unfused_us']:.1f} us)")
+                    merge = (f"  cluster/fused/unfused {row['cluster_us']:.1f} / "
+                             f"{row['fused_us']:.1f} / {row['unfused_us']:.1f} us")
                 print(f"{model:14s} B={B:4d} T={T:6d}: int8 {row['int8_us']:9.1f} us "
                       f"{row['int8_GBps']:6.0f} GB/s ({100 * row['frac_copy_bw']:.0f}% copy)  "
                       f"sdpa[{row['sdpa_backend']}] {row['sdpa_us']:9.1f} us  "
@@ -237,13 +253,15 @@ def main():
                        "sdpa_backend", "speedup_vs_sdpa"])
     merged = [r for r in rows if r["fused_over_unfused"] != ""]
     if merged:
-        print("\n== split merge fused into the split kernel vs split + reduce kernels "
-              "(fused_over_unfused < 1: fused is faster; ~1 where the heuristic does not split)")
-        print_table(merged, ["model", "B", "T", "fused_us", "unfused_us", "fused_over_unfused",
-                             "frac_copy_bw", "speedup_vs_sdpa"])
-        ratios = [r["fused_over_unfused"] for r in merged]
-        print(f"fused/unfused: geometric mean {math.prod(ratios) ** (1 / len(ratios)):.3f}, "
-              f"min {min(ratios):.3f}, max {max(ratios):.3f}")
+        print("\n== split merges: cluster (DSMEM) and fused (workspace + counters) vs split + reduce "
+              "kernels (< 1: faster than two kernels; ~1 where the heuristic does not split)")
+        print_table(merged, ["model", "B", "T", "cluster_us", "fused_us", "unfused_us",
+                             "cluster_over_unfused", "fused_over_unfused", "frac_copy_bw",
+                             "speedup_vs_sdpa"])
+        for key in ("cluster_over_unfused", "fused_over_unfused"):
+            ratios = [r[key] for r in merged]
+            print(f"{key}: geometric mean {math.prod(ratios) ** (1 / len(ratios)):.3f}, "
+                  f"min {min(ratios):.3f}, max {max(ratios):.3f}")
     return 0
 
 

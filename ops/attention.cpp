@@ -86,6 +86,16 @@ bool fused_reduce_enabled(int head_dim, int max_context) {
   return head_dim == 128 && max_context >= 4096;
 }
 
+// Whether the splits may be merged through distributed shared memory (a thread-block cluster per
+// (sequence, kv head, head group), sm_90): QOPS_DECODE_CLUSTER_MERGE=0 turns it off (then
+// QOPS_DECODE_FUSED_REDUCE picks between the other two paths); unset or 1, it is used wherever the
+// split count fits a cluster (<= 8) and the device can co-schedule such a cluster. Read at every
+// call, like QOPS_DECODE_FUSED_REDUCE.
+bool cluster_merge_enabled() {
+  const char* v = std::getenv("QOPS_DECODE_CLUSTER_MERGE");
+  return v == nullptr || std::strcmp(v, "0") != 0;
+}
+
 at::Tensor paged_decode_attention_int8_cuda(const at::Tensor& query, const at::Tensor& k_cache,
                                             const at::Tensor& v_cache, const at::Tensor& k_scales,
                                             const at::Tensor& v_scales,
@@ -157,24 +167,6 @@ at::Tensor paged_decode_attention_int8_cuda(const at::Tensor& query, const at::T
   splits = std::min(splits, qops::attention::kPagedDecodeMaxSplits);
   splits = std::max(1, std::min<int>(splits, static_cast<int>((max_context + 15) / 16)));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  at::Tensor workspace;
-  const int64_t ws = qops::attention::paged_decode_int8_workspace_floats(
-      static_cast<int>(B), static_cast<int>(HQ), static_cast<int>(D), splits);
-  // The fused merge's counters: the shared zeroed buffer, or (see shared_split_counters) zeroed
-  // int32s after the workspace's floats.
-  int32_t* counters = nullptr;
-  int64_t ws_counters = 0;
-  if (ws > 0 && fused_reduce_enabled(static_cast<int>(D), max_context)) {
-    const int64_t n = qops::attention::paged_decode_int8_num_counters(
-        static_cast<int>(B), static_cast<int>(HQ), static_cast<int>(HKV));
-    counters = shared_split_counters(query.device().index(), stream, n, op);
-    if (counters == nullptr) ws_counters = n;
-  }
-  if (ws > 0) workspace = at::empty({ws + ws_counters}, query.options().dtype(at::kFloat));
-  if (ws_counters > 0) {
-    counters = reinterpret_cast<int32_t*>(workspace.data_ptr<float>() + ws);
-    check_launch(cudaMemsetAsync(counters, 0, ws_counters * sizeof(int32_t), stream), op);
-  }
 
   qops::attention::PagedDecodeInt8Params p{};
   p.query = q.data_ptr();
@@ -190,11 +182,6 @@ at::Tensor paged_decode_attention_int8_cuda(const at::Tensor& query, const at::T
   p.seq_lens = seq_lens.data_ptr<int32_t>();
   p.alibi_slopes = alibi_slopes.has_value() ? alibi_slopes->data_ptr<float>() : nullptr;
   p.out = out.data_ptr();
-  if (ws > 0) {
-    p.partial_out = workspace.data_ptr<float>();
-    p.partial_lse = p.partial_out + B * HQ * splits * D;
-  }
-  p.split_counters = counters;
   p.batch = static_cast<int>(B);
   p.num_q_heads = static_cast<int>(HQ);
   p.num_kv_heads = static_cast<int>(HKV);
@@ -205,6 +192,38 @@ at::Tensor paged_decode_attention_int8_cuda(const at::Tensor& query, const at::T
   p.num_splits = splits;
   p.sm_scale = static_cast<float>(sm_scale);
   p.bf16 = query.scalar_type() == at::kBFloat16;
+  // QOPS_DECODE_WARPS=4|8 forces the warps per CTA (an override for tests and sweeps).
+  if (const char* w = std::getenv("QOPS_DECODE_WARPS")) p.warps = std::atoi(w);
+
+  // How the splits are merged: in a thread-block cluster (no workspace), else fused into the
+  // split kernel through a workspace and counters, else by a second kernel.
+  at::Tensor workspace;
+  p.cluster_merge = splits > 1 && cluster_merge_enabled() &&
+                    qops::attention::paged_decode_int8_cluster_merge_fits(p);
+  const int64_t ws = p.cluster_merge ? 0
+                                     : qops::attention::paged_decode_int8_workspace_floats(
+                                           static_cast<int>(B), static_cast<int>(HQ),
+                                           static_cast<int>(D), splits);
+  // The fused merge's counters: the shared zeroed buffer, or (see shared_split_counters) zeroed
+  // int32s after the workspace's floats.
+  int32_t* counters = nullptr;
+  int64_t ws_counters = 0;
+  if (ws > 0 && fused_reduce_enabled(static_cast<int>(D), max_context)) {
+    const int64_t n = qops::attention::paged_decode_int8_num_counters(
+        static_cast<int>(B), static_cast<int>(HQ), static_cast<int>(HKV));
+    counters = shared_split_counters(query.device().index(), stream, n, op);
+    if (counters == nullptr) ws_counters = n;
+  }
+  if (ws > 0) workspace = at::empty({ws + ws_counters}, query.options().dtype(at::kFloat));
+  if (ws_counters > 0) {
+    counters = reinterpret_cast<int32_t*>(workspace.data_ptr<float>() + ws);
+    check_launch(cudaMemsetAsync(counters, 0, ws_counters * sizeof(int32_t), stream), op);
+  }
+  if (ws > 0) {
+    p.partial_out = workspace.data_ptr<float>();
+    p.partial_lse = p.partial_out + B * HQ * splits * D;
+  }
+  p.split_counters = counters;
   check_launch(qops::attention::paged_decode_attention_int8(p, stream), op);
   return out;
 }

@@ -19,15 +19,19 @@ from qops.attention import alibi_slopes, decode_attention_reference
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 OP = "paged_decode_attention_int8"
-# Read by the CUDA glue at every call: "0" selects the two-kernel split merge (split kernel +
-# reduce kernel), "1" the merge fused into the split kernel; unset, the glue's rule picks.
+# Read by the CUDA glue at every call. CLUSTER_ENV "0" turns off the cluster (distributed shared
+# memory) split merge, which is otherwise used wherever the splits fit one cluster (<= 16, sm_90);
+# then FUSED_ENV "0" selects the two-kernel split merge (split kernel + reduce kernel), "1" the
+# merge fused into the split kernel through a workspace; unset, the glue's rule picks.
 FUSED_ENV = "QOPS_DECODE_FUSED_REDUCE"
+CLUSTER_ENV = "QOPS_DECODE_CLUSTER_MERGE"
 
 
 @pytest.fixture(autouse=True)
 def _default_merge_path(monkeypatch):
     """Every test starts on the default path (the glue's rule), whatever the caller's environment says."""
     monkeypatch.delenv(FUSED_ENV, raising=False)
+    monkeypatch.delenv(CLUSTER_ENV, raising=False)
 
 
 # ---- float64 reference ---------------------------------------------------------------------------
@@ -272,6 +276,22 @@ def test_gpu_small_num_splits(num_splits):
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("warps", [4, 8])
+@pytest.mark.parametrize("HQ,HKV,D,num_splits", [(32, 8, 128, 8), (9, 3, 64, 3), (32, 1, 128, 5),
+                                                 (8, 8, 64, 1), (16, 1, 64, 16)])
+def test_gpu_small_forced_warps(monkeypatch, warps, HQ, HKV, D, num_splits):
+    """Both warps-per-CTA builds (QOPS_DECODE_WARPS overrides the launcher's rule, which picks by
+    grid size) on each merge path."""
+    monkeypatch.setenv("QOPS_DECODE_WARPS", str(warps))
+    for path in PATHS:
+        with monkeypatch.context() as m:
+            _merge_env(m, path)
+            _gpu_case([1000, 17, 0, 333], HQ, HKV, D, 32, dtype=torch.bfloat16,
+                      num_splits=num_splits, alibi=HQ == 9, seed=warps)
+
+
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("D,HQ,HKV,dtype", [(128, 32, 8, torch.bfloat16), (64, 9, 3, torch.float16),
                                            (128, 32, 32, torch.float16)])
 def test_gpu_long_context_and_quantization_error(D, HQ, HKV, dtype):
@@ -350,32 +370,49 @@ def test_gpu_small_bad_inputs():
                                          ks, vs, bt, sl)
 
 
-# ---- GPU: the fused split merge vs the two-kernel one ----------------------------------------------
-# With num_splits > 1 the default CUDA path merges the splits in the split kernel itself (the last
-# CTA of each (sequence, kv head, head group), found with a self-resetting counter); FUSED_ENV=0
-# selects the split kernel + reduce kernel. Both use the same merge arithmetic in the same split
-# order, so their outputs must be bit-identical, not merely close.
+# ---- GPU: the three split merges -------------------------------------------------------------------
+# With num_splits > 1 the CUDA path merges the splits in the split kernel itself: through
+# distributed shared memory when the splits of a (sequence, kv head, head group) fit one thread-block
+# cluster (the default on sm_90), else the last CTA of each group (found with a self-resetting
+# counter) merges partials from a workspace; FUSED_ENV=0 (with CLUSTER_ENV=0) selects the split
+# kernel + reduce kernel. All three use the same merge arithmetic in the same split order, so their
+# outputs must be bit-identical, not merely close.
 SHARED_COUNTERS = 4096  # ops/attention.cpp kSharedSplitCounters: more groups -> workspace counters
+PATHS = ("cluster", "fused", "unfused")
 
 
-def _decode(args, sm, slopes, num_splits, fused, monkeypatch):
-    monkeypatch.setenv(FUSED_ENV, "1" if fused else "0")
-    poison_cuda_allocator()  # outputs and workspaces start as garbage
-    out = qops.paged_decode_attention_int8(*args, sm, slopes, num_splits=num_splits)
-    torch.cuda.synchronize()
-    monkeypatch.delenv(FUSED_ENV)
+def _merge_env(m, path):
+    """Select a split-merge path on a monkeypatch context `m`. path: "cluster" (falls back to the
+    two-kernel path where the splits do not fit a cluster), "fused" or "unfused"."""
+    m.setenv(CLUSTER_ENV, "1" if path == "cluster" else "0")
+    m.setenv(FUSED_ENV, "1" if path == "fused" else "0")
+
+
+def _decode(args, sm, slopes, num_splits, path, monkeypatch):
+    """One call on `path` (True / False: "fused" / "unfused") with garbage-filled fresh memory."""
+    path = {True: "fused", False: "unfused"}.get(path, path)
+    with monkeypatch.context() as m:
+        _merge_env(m, path)
+        poison_cuda_allocator()  # outputs and workspaces start as garbage
+        out = qops.paged_decode_attention_int8(*args, sm, slopes, num_splits=num_splits)
+        torch.cuda.synchronize()
     return out
 
 
 def _fused_vs_unfused(monkeypatch, lens, HQ, HKV, D, block_size=16, *, dtype=torch.float16,
                       static=False, alibi=False, num_splits=0, seed=0):
+    """All three merge paths, bit-identical, and close to the float64 reference."""
     cpu, _, dev, sm, slopes, dslopes = _gpu_inputs(lens, HQ, HKV, D, block_size, dtype=dtype,
                                                    static=static, alibi=alibi, seed=seed)
+    cluster = _decode(dev, sm, dslopes, num_splits, "cluster", monkeypatch)
     fused = _decode(dev, sm, dslopes, num_splits, True, monkeypatch)
     unfused = _decode(dev, sm, dslopes, num_splits, False, monkeypatch)
     fused_again = _decode(dev, sm, dslopes, num_splits, True, monkeypatch)
+    cluster_again = _decode(dev, sm, dslopes, num_splits, "cluster", monkeypatch)
     assert torch.equal(fused, unfused), float((fused.double() - unfused.double()).abs().max())
+    assert torch.equal(cluster, unfused), float((cluster.double() - unfused.double()).abs().max())
     assert torch.equal(fused_again, fused)
+    assert torch.equal(cluster_again, cluster)
     _check_against_reference(fused, cpu, sm, slopes, dtype)
     return fused
 
@@ -396,6 +433,12 @@ def _fused_vs_unfused(monkeypatch, lens, HQ, HKV, D, block_size=16, *, dtype=tor
     ([700, 1, 90], 12, 1, 64, torch.bfloat16, False, False, 5),  # 12 rows in one group
     ([130, 257, 5], 8, 2, 128, torch.float16, True, False, 4),  # static scales
     ([0, 0], 8, 2, 128, torch.float16, False, False, 2),  # every split empty -> zeros
+    # the cluster merge: 8 splits (its limit), 16 and 17 (merged through a workspace)
+    ([4097, 2000], 32, 8, 128, torch.bfloat16, False, False, 16),
+    ([4097, 3, 900], 9, 3, 64, torch.float16, True, False, 16),
+    ([1025, 64], 32, 32, 128, torch.float16, False, True, 8),
+    ([3000, 16], 32, 1, 64, torch.bfloat16, False, False, 8),  # MQA: 2 head groups of 16 rows
+    ([3000, 16], 32, 8, 128, torch.float16, False, False, 17),
 ])
 def test_gpu_small_fused_merge_matches_unfused(monkeypatch, case):
     lens, HQ, HKV, D, dtype, static, alibi, ns = case
@@ -419,10 +462,11 @@ def test_gpu_small_fused_merge_max_splits(monkeypatch, HQ, HKV, D, dtype):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_gpu_small_fused_merge_repeated_and_cuda_graph(monkeypatch):
+@pytest.mark.parametrize("path", ["fused", "cluster"])
+def test_gpu_small_fused_merge_repeated_and_cuda_graph(monkeypatch, path):
     """The counters reset themselves: calls in a row (same and different split counts, sharing
     counter slots), and CUDA graphs replayed with changing inputs, stay bit-identical to the
-    two-kernel path."""
+    two-kernel path. The same for the cluster merge (no counters; a cluster launch in a graph)."""
     lens = [700, 300, 37, 1000]
     HQ, HKV, D = 8, 2, 128
     sets = [make_cache(lens, HKV, D, 16, seed=s)[:6] for s in range(3)]  # same shapes, new data
@@ -440,16 +484,17 @@ def test_gpu_small_fused_merge_repeated_and_cuda_graph(monkeypatch):
     load(0)
     ref0 = _decode(static, sm, None, 8, False, monkeypatch)
     for _ in range(5):
-        assert torch.equal(_decode(static, sm, None, 8, True, monkeypatch), ref0)
-    for ns in (2, 7, 64, 3, 0, 5, 2):  # different split counts on the same counter slots
-        assert torch.equal(_decode(static, sm, None, ns, True, monkeypatch),
+        assert torch.equal(_decode(static, sm, None, 8, path, monkeypatch), ref0)
+    for ns in (2, 7, 64, 3, 0, 5, 2, 16):  # different split counts on the same counter slots
+        assert torch.equal(_decode(static, sm, None, ns, path, monkeypatch),
                            _decode(static, sm, None, ns, False, monkeypatch)), ns
 
     # a graph holding three fused calls (the counters must be back at 0 between them and at the
     # end of every replay), replayed with new inputs
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    with monkeypatch.context() as m, torch.cuda.graph(g):
+        _merge_env(m, path)
         out_a = qops.paged_decode_attention_int8(*static, sm, num_splits=4)
         out_b = qops.paged_decode_attention_int8(*static, sm, num_splits=16)
         out_c = qops.paged_decode_attention_int8(*static, sm)
@@ -463,7 +508,7 @@ def test_gpu_small_fused_merge_repeated_and_cuda_graph(monkeypatch):
         ref = decode_attention_reference(qs[i], *sets[i][:5], sls[i], sm, dtype=torch.float64)
         torch.testing.assert_close(got[0].cpu().double(), ref, atol=1.5e-3, rtol=1.5e-3)
         # an eager fused call between replays shares the counters: they are 0 again
-        assert torch.equal(_decode(static, sm, None, 8, True, monkeypatch),
+        assert torch.equal(_decode(static, sm, None, 8, path, monkeypatch),
                            _decode(static, sm, None, 8, False, monkeypatch))
 
 
@@ -472,6 +517,8 @@ def test_gpu_small_fused_merge_repeated_and_cuda_graph(monkeypatch):
 def test_gpu_small_fused_merge_workspace_counters(monkeypatch):
     """More (sequence, kv head, head group)s than the shared counter buffer holds: the counters
     go to the per-call workspace, zeroed with a memset (also under a CUDA graph)."""
+    monkeypatch.setenv(CLUSTER_ENV, "0")  # the graph below captures the default: the fused path
+    monkeypatch.setenv(FUSED_ENV, "1")
     g = torch.Generator().manual_seed(5)
     B, HQ, HKV, D = 130, 32, 32, 64
     assert B * HKV > SHARED_COUNTERS
@@ -498,6 +545,7 @@ def test_gpu_small_fused_merge_workspace_counters(monkeypatch):
 _FIRST_CALL_CAPTURED = textwrap.dedent("""
     import os, torch, qops
     ENV = "QOPS_DECODE_FUSED_REDUCE"
+    os.environ["QOPS_DECODE_CLUSTER_MERGE"] = "0"  # the workspace-and-counters merge
     torch.manual_seed(0)
     B, HQ, HKV, D, BS, T = 3, 8, 2, 128, 16, 900
     nb = B * (T // BS + 1)

@@ -21,11 +21,14 @@
 
 #include "common/cuda_utils.cuh"  // to_float, from_float
 
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <cmath>
 #include <cstdio>
+#include <mutex>
+#include <vector>
 
 namespace qops {
 namespace attention {
@@ -163,17 +166,25 @@ constexpr int kPipeBytes = NW * kStages<D> * Stage<D>::kBytes;
 template <int D, bool kTwoRows, int NW>
 constexpr int kMergeBytes = NW * (kTwoRows ? 16 : 8) * (D + 4) * 4 + 2 * NW * 16 * 4;
 
+// The cluster merge's per-CTA partials, after the warp-merge buffers: O / l [kRows][D] and the
+// log2-sum-exp of each row [16].
+template <int D, bool kTwoRows>
+constexpr int kClusterPartBytes = (kTwoRows ? 16 : 8) * D * 4 + 16 * 4;
+
 template <int D, bool kTwoRows, int NW>
-constexpr int kSmemBytes = kPipeBytes<D, NW> > kMergeBytes<D, kTwoRows, NW>
+constexpr int kMergeAndPartBytes = kMergeBytes<D, kTwoRows, NW> + kClusterPartBytes<D, kTwoRows>;
+
+template <int D, bool kTwoRows, int NW>
+constexpr int kSmemBytes = kPipeBytes<D, NW> > kMergeAndPartBytes<D, kTwoRows, NW>
                                ? kPipeBytes<D, NW>
-                               : kMergeBytes<D, kTwoRows, NW>;
+                               : kMergeAndPartBytes<D, kTwoRows, NW>;
 
 // ---- the split kernel ---------------------------------------------------------------------------
 // CTAs per SM the register budget is set for (D=128 with 16 query rows needs ~240 registers).
 template <int D, bool kTwoRows, int NW>
 constexpr int kMinBlocksPerSm = NW == 8 ? 1 : (D == 128 && kTwoRows ? 2 : 3);
 
-template <typename T, int D, bool kTwoRows, bool kStatic, int NW>
+template <typename T, int D, bool kTwoRows, bool kStatic, int NW, bool kCluster>
 __global__ void __launch_bounds__(NW * 32, kMinBlocksPerSm<D, kTwoRows, NW>)
     paged_decode_int8_kernel(const PagedDecodeInt8Params p) {
   constexpr int kWarps = NW;
@@ -524,6 +535,9 @@ __global__ void __launch_bounds__(NW * 32, kMinBlocksPerSm<D, kTwoRows, NW>)
   __syncthreads();
 
   const int num_splits = p.num_splits;
+  // The cluster merge's partials of this CTA (see below), past the warp-merge buffers.
+  float* c_part = reinterpret_cast<float*>(smem + kMergeBytes<D, kTwoRows, kWarps>);  // [kRows][D]
+  float* c_lse = c_part + kRows * D;                                                    // [16]
   for (int idx = threadIdx.x; idx < rows * D; idx += kThreads) {
     const int row = idx / D, d = idx % D;
     float m = -INFINITY;
@@ -543,12 +557,71 @@ __global__ void __launch_bounds__(NW * 32, kMinBlocksPerSm<D, kTwoRows, NW>)
     const int64_t bh = static_cast<int64_t>(b) * p.num_q_heads + h0 + row;
     if (num_splits == 1) {
       static_cast<T*>(p.out)[bh * D + d] = from_float<T>(val);
+    } else if constexpr (kCluster) {
+      c_part[row * D + d] = val;  // read by the merge only where the lse is finite
+      if (d == 0) c_lse[row] = empty ? -INFINITY : m + log2f(l);
     } else {
       if (!empty) p.partial_out[(bh * num_splits + split) * D + d] = val;
       if (d == 0) p.partial_lse[bh * num_splits + split] = empty ? -INFINITY : m + log2f(l);
     }
   }
-  if (num_splits == 1 || p.split_counters == nullptr) return;  // (CTA-uniform)
+  if (num_splits == 1) return;
+  if constexpr (kCluster) {
+    // ---- the cluster merge (sm_90): the num_splits CTAs of this (sequence, kv head, head group)
+    // are one thread-block cluster (rank = split). Each has its O / l and lse rows in its own
+    // shared memory; after a cluster barrier (arrive.release / wait.acquire: the partials are
+    // visible cluster-wide) every CTA merges a slice of the group's outputs, reading all splits'
+    // partials from distributed shared memory, and a second barrier keeps each CTA's shared
+    // memory alive until its peers have read it. No workspace, fence, atomic or L2 round trip:
+    // the merge costs two cluster barriers and one round of DSMEM loads. Same arithmetic and
+    // split order as the other paths (bit-identical outputs).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    namespace cg = cooperative_groups;
+    cg::cluster_group cluster = cg::this_cluster();
+    cluster.sync();
+    constexpr int kVec = 4;
+    constexpr int kMaxS = kPagedDecodeMaxClusterSplits;
+    const int units = rows * (D / kVec);
+    const int per = (units + num_splits - 1) / num_splits;
+    const int u0 = split * per, u1 = min(units, u0 + per);
+    for (int u = u0 + threadIdx.x; u < u1; u += kThreads) {
+      const int row = u / (D / kVec), d0 = (u % (D / kVec)) * kVec;
+      float lse[kMaxS];
+      float4 v[kMaxS];
+#pragma unroll
+      for (int s = 0; s < kMaxS; ++s) {
+        if (s < num_splits) {
+          lse[s] = *cluster.map_shared_rank(c_lse + row, s);
+          v[s] = *cluster.map_shared_rank(reinterpret_cast<float4*>(c_part + row * D + d0), s);
+        }
+      }
+      float mx = -INFINITY;
+#pragma unroll
+      for (int s = 0; s < kMaxS; ++s)
+        if (s < num_splits) mx = fmaxf(mx, lse[s]);
+      float acc[kVec] = {0.f, 0.f, 0.f, 0.f};
+      float wsum = 0.f;
+      if (mx != -INFINITY) {
+#pragma unroll
+        for (int s = 0; s < kMaxS; ++s) {
+          if (s >= num_splits || lse[s] == -INFINITY) continue;  // an empty split
+          const float w = merge_weight(lse[s], mx);
+          wsum += w;
+          merge_add(acc[0], w, v[s].x);
+          merge_add(acc[1], w, v[s].y);
+          merge_add(acc[2], w, v[s].z);
+          merge_add(acc[3], w, v[s].w);
+        }
+      }
+      T* op = static_cast<T*>(p.out) + (static_cast<int64_t>(b) * p.num_q_heads + h0 + row) * D + d0;
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) op[e] = from_float<T>(merge_finish(acc[e], wsum));
+    }
+    cluster.sync();
+#endif
+    return;
+  }
+  if (p.split_counters == nullptr) return;  // (CTA-uniform)
 
   // ---- the fused split merge: the last CTA of this (sequence, kv head, head group) to finish
   // merges all num_splits partials (CUTLASS's serial split-K reduction / TensorRT-LLM's
@@ -682,18 +755,61 @@ __global__ void __launch_bounds__(128) paged_decode_int8_reduce_kernel(const flo
   for (int e = 0; e < E; ++e) op[e] = from_float<T>(merge_finish(acc[e], wsum));
 }
 
+// The launch configuration of the cluster-merge kernel: clusters of num_splits CTAs along x.
 template <typename T, int D, bool kTwoRows, bool kStatic, int NW>
-cudaError_t launch_split(const PagedDecodeInt8Params& p, dim3 grid, cudaStream_t stream) {
+cudaError_t cluster_config(const PagedDecodeInt8Params& p, dim3 grid, cudaStream_t stream,
+                           cudaLaunchConfig_t* cfg, cudaLaunchAttribute* attr) {
   constexpr int smem = kSmemBytes<D, kTwoRows, NW>;
-  auto kernel = paged_decode_int8_kernel<T, D, kTwoRows, kStatic, NW>;
+  auto kernel = paged_decode_int8_kernel<T, D, kTwoRows, kStatic, NW, true>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err != cudaSuccess) return err;
+  *cfg = cudaLaunchConfig_t{};
+  cfg->gridDim = grid;
+  cfg->blockDim = dim3(NW * 32);
+  cfg->dynamicSmemBytes = smem;
+  cfg->stream = stream;
+  attr->id = cudaLaunchAttributeClusterDimension;
+  attr->val.clusterDim.x = static_cast<unsigned>(p.num_splits);
+  attr->val.clusterDim.y = 1;
+  attr->val.clusterDim.z = 1;
+  cfg->attrs = attr;
+  cfg->numAttrs = 1;
+  return cudaSuccess;
+}
+
+// Launches the split kernel; with max_clusters set, only reports how many clusters of the
+// cluster-merge configuration can be resident at once (0: it cannot launch) and launches nothing.
+template <typename T, int D, bool kTwoRows, bool kStatic, int NW>
+cudaError_t launch_split(const PagedDecodeInt8Params& p, dim3 grid, cudaStream_t stream,
+                         int* max_clusters) {
+  constexpr int smem = kSmemBytes<D, kTwoRows, NW>;
+  if ((p.cluster_merge && p.num_splits > 1) || max_clusters != nullptr) {
+    cudaLaunchConfig_t cfg;
+    cudaLaunchAttribute attr;
+    cudaError_t err = cluster_config<T, D, kTwoRows, kStatic, NW>(p, grid, stream, &cfg, &attr);
+    if (err != cudaSuccess) return err;
+    auto kernel = paged_decode_int8_kernel<T, D, kTwoRows, kStatic, NW, true>;
+    if (max_clusters != nullptr) return cudaOccupancyMaxActiveClusters(max_clusters, kernel, &cfg);
+    return cudaLaunchKernelEx(&cfg, kernel, p);
+  }
+  auto kernel = paged_decode_int8_kernel<T, D, kTwoRows, kStatic, NW, false>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
   kernel<<<grid, NW * 32, smem, stream>>>(p);
   return cudaGetLastError();
 }
 
+// Warps per CTA: p.warps when set (4 or 8; an override for tests and sweeps), else 8 when the grid
+// has at most one CTA per SM (small batches: more warps per SM without more splits), else 4.
+// (12 warps in one CTA per SM -- D = 128 at 168 registers fits -- measured 2-6% slower than 8 at
+// B = 1: the SM's loads in flight, not its warps, limit a split; bench/probe_memory_bound.py.)
+int decode_warps(int forced, int64_t ctas, int sms) {
+  if (forced == 4 || forced == 8) return forced;
+  return ctas <= sms ? 8 : 4;
+}
+
 template <typename T, int D, bool kTwoRows, bool kStatic>
-cudaError_t launch(const PagedDecodeInt8Params& p, cudaStream_t stream) {
+cudaError_t launch(const PagedDecodeInt8Params& p, cudaStream_t stream, int* max_clusters) {
   const int G = p.num_q_heads / p.num_kv_heads;
   const int HG = kTwoRows ? (G + 15) / 16 : 1;
   dim3 grid(p.num_splits, p.num_kv_heads * HG, p.batch);
@@ -702,10 +818,13 @@ cudaError_t launch(const PagedDecodeInt8Params& p, cudaStream_t stream) {
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
   if (err != cudaSuccess) return err;
   const int64_t ctas = static_cast<int64_t>(grid.x) * grid.y * grid.z;
-  err = ctas <= sms ? launch_split<T, D, kTwoRows, kStatic, 8>(p, grid, stream)
-                    : launch_split<T, D, kTwoRows, kStatic, 4>(p, grid, stream);
-  // one split: the kernel wrote `out`; fused: its last CTAs merged the splits
-  if (err != cudaSuccess || p.num_splits == 1 || p.split_counters != nullptr) return err;
+  err = decode_warps(p.warps, ctas, sms) == 8
+            ? launch_split<T, D, kTwoRows, kStatic, 8>(p, grid, stream, max_clusters)
+            : launch_split<T, D, kTwoRows, kStatic, 4>(p, grid, stream, max_clusters);
+  if (max_clusters != nullptr) return err;
+  // one split: the kernel wrote `out`; fused or cluster merge: the split kernel merged the splits
+  if (err != cudaSuccess || p.num_splits == 1 || p.split_counters != nullptr || p.cluster_merge)
+    return err;
   const int rows = p.batch * p.num_q_heads;
   paged_decode_int8_reduce_kernel<T, D><<<(rows + 3) / 4, 128, 0, stream>>>(
       p.partial_out, p.partial_lse, static_cast<T*>(p.out), rows, p.num_splits);
@@ -713,17 +832,28 @@ cudaError_t launch(const PagedDecodeInt8Params& p, cudaStream_t stream) {
 }
 
 template <typename T, int D>
-cudaError_t dispatch_rows(const PagedDecodeInt8Params& p, cudaStream_t stream) {
+cudaError_t dispatch_rows(const PagedDecodeInt8Params& p, cudaStream_t stream, int* max_clusters) {
   const bool two = p.num_q_heads / p.num_kv_heads > 8;
   if (two) {
-    return p.static_scales ? launch<T, D, true, true>(p, stream) : launch<T, D, true, false>(p, stream);
+    return p.static_scales ? launch<T, D, true, true>(p, stream, max_clusters)
+                           : launch<T, D, true, false>(p, stream, max_clusters);
   }
-  return p.static_scales ? launch<T, D, false, true>(p, stream) : launch<T, D, false, false>(p, stream);
+  return p.static_scales ? launch<T, D, false, true>(p, stream, max_clusters)
+                         : launch<T, D, false, false>(p, stream, max_clusters);
 }
 
 template <typename T>
-cudaError_t dispatch_dim(const PagedDecodeInt8Params& p, cudaStream_t stream) {
-  return p.head_dim == 128 ? dispatch_rows<T, 128>(p, stream) : dispatch_rows<T, 64>(p, stream);
+cudaError_t dispatch_dim(const PagedDecodeInt8Params& p, cudaStream_t stream, int* max_clusters) {
+  return p.head_dim == 128 ? dispatch_rows<T, 128>(p, stream, max_clusters)
+                           : dispatch_rows<T, 64>(p, stream, max_clusters);
+}
+
+bool valid_params(const PagedDecodeInt8Params& p) {
+  return !((p.head_dim != 64 && p.head_dim != 128) || p.num_kv_heads <= 0 ||
+           p.num_q_heads % p.num_kv_heads != 0 || p.block_size < 16 || (p.block_size & 15) != 0 ||
+           ((p.block_size >> 4) & ((p.block_size >> 4) - 1)) != 0 || p.num_splits < 1 ||
+           p.num_splits > kPagedDecodeMaxSplits || p.batch < 0 || p.batch > 65535 ||
+           p.max_blocks < 1);
 }
 
 }  // namespace
@@ -765,15 +895,57 @@ int64_t paged_decode_int8_num_counters(int batch, int num_q_heads, int num_kv_he
   return static_cast<int64_t>(batch) * num_kv_heads * hg;
 }
 
-cudaError_t paged_decode_attention_int8(const PagedDecodeInt8Params& p, cudaStream_t stream) {
-  if ((p.head_dim != 64 && p.head_dim != 128) || p.num_kv_heads <= 0 ||
-      p.num_q_heads % p.num_kv_heads != 0 || p.block_size < 16 || (p.block_size & 15) != 0 ||
-      ((p.block_size >> 4) & ((p.block_size >> 4) - 1)) != 0 || p.num_splits < 1 ||
-      p.num_splits > kPagedDecodeMaxSplits || p.batch < 0 || p.batch > 65535 ||
-      p.max_blocks < 1) {
-    return cudaErrorInvalidValue;
+bool paged_decode_int8_cluster_merge_fits(const PagedDecodeInt8Params& q) {
+  PagedDecodeInt8Params p = q;
+  p.cluster_merge = true;
+  if (!valid_params(p) || p.num_splits < 2 || p.num_splits > kPagedDecodeMaxClusterSplits ||
+      p.batch < 1) {
+    return false;
   }
-  if (p.num_splits > 1 && (p.partial_out == nullptr || p.partial_lse == nullptr)) {
+  int dev = 0, major = 0, sms = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  if (major < 9) return false;
+  // Cached per kernel configuration: which kernel (and so its shared memory and block size) the
+  // launch picks depends on the dtype, D, the head grouping, static scales, and whether the grid
+  // has at most one CTA per SM (8 warps) or not (4 warps).
+  const int G = p.num_q_heads / p.num_kv_heads;
+  const int64_t ctas = static_cast<int64_t>(p.num_splits) * p.num_kv_heads *
+                       (G > 8 ? (G + 15) / 16 : 1) * p.batch;
+  const int key = (((((dev * 2 + p.bf16) * 2 + (p.head_dim == 128)) * 2 + (G > 8)) * 2 +
+                    p.static_scales) * 2 + (decode_warps(p.warps, ctas, sms) == 8)) * 32 +
+                  p.num_splits;
+  // The grid must be one wave of clusters: a cluster needs all its CTAs resident on one GPC at
+  // once, so clusters beyond the co-resident count wait for a whole cluster to finish (measured:
+  // 32 clusters of 4 one-CTA-per-SM CTAs, Llama-2-7B MHA at B = 1, ran 1.45x slower than the
+  // workspace merge).
+  const int64_t clusters_needed = ctas / p.num_splits;
+  static std::mutex mu;
+  static std::vector<std::pair<int, int>> cache;  // key -> co-resident clusters
+  std::lock_guard<std::mutex> lock(mu);
+  for (const auto& e : cache) {
+    if (e.first == key) return e.second >= clusters_needed;
+  }
+  int clusters = 0;
+  const cudaError_t err = p.bf16 ? dispatch_dim<__nv_bfloat16>(p, nullptr, &clusters)
+                                 : dispatch_dim<__half>(p, nullptr, &clusters);
+  if (err != cudaSuccess) {
+    cudaGetLastError();  // not launchable: report "does not fit"
+    clusters = 0;
+  }
+  cache.emplace_back(key, clusters);
+  return clusters >= clusters_needed;
+}
+
+cudaError_t paged_decode_attention_int8(const PagedDecodeInt8Params& p, cudaStream_t stream) {
+  if (!valid_params(p)) return cudaErrorInvalidValue;
+  if (p.cluster_merge && p.num_splits > kPagedDecodeMaxClusterSplits) return cudaErrorInvalidValue;
+  if (p.num_splits > 1 && !p.cluster_merge &&
+      (p.partial_out == nullptr || p.partial_lse == nullptr)) {
     return cudaErrorInvalidValue;
   }
   const int G = p.num_q_heads / p.num_kv_heads;
@@ -781,7 +953,8 @@ cudaError_t paged_decode_attention_int8(const PagedDecodeInt8Params& p, cudaStre
     return cudaErrorInvalidConfiguration;
   }
   if (p.batch == 0) return cudaSuccess;
-  return p.bf16 ? dispatch_dim<__nv_bfloat16>(p, stream) : dispatch_dim<__half>(p, stream);
+  return p.bf16 ? dispatch_dim<__nv_bfloat16>(p, stream, nullptr)
+                : dispatch_dim<__half>(p, stream, nullptr);
 }
 
 }  // namespace attention

@@ -20,6 +20,11 @@
 //                 time must not share counters. With nullptr (or num_splits == 1) a second
 //                 kernel merges the splits (the two-kernel path). Both paths give bit-identical
 //                 outputs (same merge arithmetic, same split order).
+//   cluster_merge: merge the splits inside the split kernel through distributed shared memory:
+//                 the num_splits CTAs of a (sequence, kv head, head group) run as one thread-block
+//                 cluster (sm_90, 2 <= num_splits <= kPagedDecodeMaxClusterSplits; check with
+//                 paged_decode_int8_cluster_merge_fits). Needs no workspace and no counters; the
+//                 output is bit-identical to the other paths.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -45,6 +50,8 @@ struct PagedDecodeInt8Params {
   float* partial_out;
   float* partial_lse;
   int32_t* split_counters;  // fused split merge when non-null (see above)
+  bool cluster_merge;       // cluster (DSMEM) split merge (see above); overrides split_counters
+  int warps;                // warps per CTA: 0 = the launcher's rule; 4 or 8 (override for tests)
   int batch, num_q_heads, num_kv_heads, head_dim, block_size, num_blocks, max_blocks;
   int num_splits;
   float sm_scale;
@@ -52,6 +59,11 @@ struct PagedDecodeInt8Params {
 };
 
 constexpr int kPagedDecodeMaxSplits = 128;
+// The most splits the cluster merge takes: one cluster per (sequence, kv head, head group), of at
+// most the portable cluster size. (H100 allows 16 with an opt-in, but 16-CTA clusters of the
+// 8-warp kernel, one CTA per SM, co-schedule poorly: 1.4x slower than 16 splits merged through a
+// workspace at B = 1, T = 4096, Llama-3-8B GQA, bench/probe_memory_bound.py.)
+constexpr int kPagedDecodeMaxClusterSplits = 8;
 
 // The split-K factor the kernel would choose: one split when the batch fills half a wave of
 // resident CTAs on `num_sms` SMs; otherwise as many as fit in one wave, with at least 512 tokens
@@ -67,6 +79,11 @@ int64_t paged_decode_int8_workspace_floats(int batch, int num_q_heads, int head_
 // batch * num_kv_heads * head_groups, where head_groups = ceil(G / 16) when G = num_q_heads /
 // num_kv_heads > 8, else 1.
 int64_t paged_decode_int8_num_counters(int batch, int num_q_heads, int num_kv_heads);
+
+// Whether the cluster merge should run p's launch (p.num_splits CTAs per cluster) on the current
+// device: sm_90+, 2 <= num_splits <= kPagedDecodeMaxClusterSplits, and all of the grid's clusters
+// can be resident at once (cudaOccupancyMaxActiveClusters, cached per kernel configuration).
+bool paged_decode_int8_cluster_merge_fits(const PagedDecodeInt8Params& p);
 
 cudaError_t paged_decode_attention_int8(const PagedDecodeInt8Params& p, cudaStream_t stream);
 
