@@ -19,7 +19,6 @@ kernels). `int8_us` is always the path the environment selects.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import os
 import sys
@@ -28,8 +27,8 @@ import torch
 import torch.nn.functional as F
 
 import qops
-from qops.bench_utils import (bar_plot, bench_us, copy_bandwidth_gbps, gbps, l2_rotation_sets,
-                              print_table, write_csv)
+from qops.bench_utils import (bar_plot, bench_us, copy_bandwidth_gbps, env_vars, gbps,
+                              l2_rotation_sets, print_table, write_csv)
 
 MODELS = {  # name: (HQ, HKV, D)
     "llama3-8b-gqa": (32, 8, 128),
@@ -54,21 +53,11 @@ def merge_policy() -> str:
     return f"cluster merge where the splits fit a cluster (<= 16), else {base}"
 
 
-@contextlib.contextmanager
 def merge_path(path: str):
     """Selects the split-merge path ("cluster", "fused", "unfused") of the calls made (and of the
     graphs captured) inside."""
-    old = {k: os.environ.get(k) for k in (FUSED_ENV, CLUSTER_ENV)}
-    os.environ[CLUSTER_ENV] = "1" if path == "cluster" else "0"
-    os.environ[FUSED_ENV] = "1" if path == "fused" else "0"
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    return env_vars({CLUSTER_ENV: "1" if path == "cluster" else "0",
+                     FUSED_ENV: "1" if path == "fused" else "0"})
 
 
 def int8_problem(B, HQ, HKV, D, lens, seed, block_size=BLOCK):

@@ -17,13 +17,16 @@ Decode probes: B = 1 paged int8 decode at forced split counts, and the fixed cos
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
 import torch
 
 import qops
-from qops.bench_utils import bench_us, copy_bandwidth_gbps, gbps, l2_rotation_sets, print_table, write_csv
+from bench_decode_attention import int8_problem, merge_path  # bench/ is the script's directory
+from qops.bench_utils import (bench_us, copy_bandwidth_gbps, env_vars, gbps, l2_rotation_sets,
+                              print_table, write_csv)
 
 EPS = 1e-5
 GQA = (32, 8, 128)  # Llama-3-8B: HQ, HKV, D
@@ -53,14 +56,8 @@ def stream_rows(copy_bw):
         cast_us = bench_us(lambda i: (lambda: outs[i].copy_(xs[i])), n)
 
         def norm(variant):
-            if variant is None:
-                os.environ.pop("QOPS_NORM_VARIANT", None)
-            else:
-                os.environ["QOPS_NORM_VARIANT"] = variant
-            try:
+            with env_vars({"QOPS_NORM_VARIANT": variant}):
                 return bench_us(lambda i: (lambda: qops.rms_norm_quant(xs[i], w, EPS)), n)
-            finally:
-                os.environ.pop("QOPS_NORM_VARIANT", None)
         n_auto, n_rr, n_pipe = norm(None), norm("rowres"), norm("pipelined")
         add_us = bench_us(lambda i: (lambda: qops.fused_add_rms_norm_quant(xs[i], rs[i], w, EPS)), n)
         cp2_n = add_bytes // 2
@@ -84,19 +81,9 @@ def stream_rows(copy_bw):
     return rows
 
 
-def decode_problem(B, T, seed, block=16):
-    HQ, HKV, D = GQA
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    nblk = -(-T // block)
-    num_blocks = B * nblk
-    k = torch.randint(-127, 128, (num_blocks, HKV, block, D), dtype=torch.int8, device="cuda", generator=g)
-    v = torch.randint(-127, 128, k.shape, dtype=torch.int8, device="cuda", generator=g)
-    ks = torch.rand(num_blocks, HKV, block, device="cuda", generator=g) * 0.02 + 1e-3
-    vs = torch.rand(num_blocks, HKV, block, device="cuda", generator=g) * 0.02 + 1e-3
-    bt = torch.randperm(num_blocks, device="cuda", generator=g).to(torch.int32).view(B, nblk)
-    q = torch.randn(B, HQ, D, device="cuda", dtype=torch.bfloat16, generator=g)
-    sl = torch.full((B,), T, dtype=torch.int32, device="cuda")
-    return q, k, v, ks, vs, bt, sl
+def decode_problem(B, T, seed):
+    """Llama-3-8B GQA, B sequences of T tokens, blocks shuffled over the cache (the benchmark's)."""
+    return int8_problem(B, *GQA, [T] * B, seed)
 
 
 def decode_rows(copy_bw):
@@ -117,18 +104,9 @@ def decode_rows(copy_bw):
         for ns, merge, warps in configs:
             if ns * 16 > T:
                 continue
-            env = {}
-            if merge != "auto":
-                env = {"QOPS_DECODE_CLUSTER_MERGE": "1" if merge == "cluster" else "0",
-                       "QOPS_DECODE_FUSED_REDUCE": "1"}
-            if warps:
-                env["QOPS_DECODE_WARPS"] = str(warps)
-            os.environ.update(env)
-            try:
+            path = merge_path(merge) if merge != "auto" else contextlib.nullcontext()
+            with path, env_vars({"QOPS_DECODE_WARPS": str(warps) if warps else None}):
                 us = bench_us(lambda i, ns=ns: (lambda: qops.paged_decode_attention_int8(*sets[i], D ** -0.5, num_splits=ns)), n)
-            finally:
-                for k in env:
-                    os.environ.pop(k, None)
             rows.append({"case": "decode B=1 gqa", "T": T, "num_splits": ns or "auto", "merge": merge,
                          "warps": warps or "auto", "us": us, "GBps": gbps(nbytes, us),
                          "of_copy_1GiB": gbps(nbytes, us) / copy_bw})

@@ -125,6 +125,12 @@ struct Chunk {
 // any element's value.
 __device__ __forceinline__ float merge_weight(float lse, float m) { return exp2f(lse - m); }
 __device__ __forceinline__ void merge_add(float& acc, float w, float v) { acc = __fmaf_rn(w, v, acc); }
+__device__ __forceinline__ void merge_add4(float (&acc)[4], float w, const float4& v) {
+  merge_add(acc[0], w, v.x);
+  merge_add(acc[1], w, v.y);
+  merge_add(acc[2], w, v.z);
+  merge_add(acc[3], w, v.w);
+}
 __device__ __forceinline__ float merge_finish(float acc, float wsum) {
   return wsum > 0.f ? acc / wsum : 0.f;
 }
@@ -607,10 +613,7 @@ __global__ void __launch_bounds__(NW * 32, kMinBlocksPerSm<D, kTwoRows, NW>)
           if (s >= num_splits || lse[s] == -INFINITY) continue;  // an empty split
           const float w = merge_weight(lse[s], mx);
           wsum += w;
-          merge_add(acc[0], w, v[s].x);
-          merge_add(acc[1], w, v[s].y);
-          merge_add(acc[2], w, v[s].z);
-          merge_add(acc[3], w, v[s].w);
+          merge_add4(acc, w, v[s]);
         }
       }
       T* op = static_cast<T*>(p.out) + (static_cast<int64_t>(b) * p.num_q_heads + h0 + row) * D + d0;
@@ -698,10 +701,7 @@ __global__ void __launch_bounds__(NW * 32, kMinBlocksPerSm<D, kTwoRows, NW>)
           if (ls == -INFINITY) continue;  // an empty split
           const float w = merge_weight(ls, mx);
           wsum += w;
-          merge_add(acc[0], w, v[i].x);
-          merge_add(acc[1], w, v[i].y);
-          merge_add(acc[2], w, v[i].z);
-          merge_add(acc[3], w, v[i].w);
+          merge_add4(acc, w, v[i]);
         }
       }
     }
@@ -738,11 +738,7 @@ __global__ void __launch_bounds__(128) paged_decode_int8_reduce_kernel(const flo
       wsum += w;
       const float* po = partial_out + (static_cast<int64_t>(row) * num_splits + s) * D + lane * E;
       if constexpr (E == 4) {
-        const float4 v = *reinterpret_cast<const float4*>(po);
-        merge_add(acc[0], w, v.x);
-        merge_add(acc[1], w, v.y);
-        merge_add(acc[2], w, v.z);
-        merge_add(acc[3], w, v.w);
+        merge_add4(acc, w, *reinterpret_cast<const float4*>(po));
       } else {
         const float2 v = *reinterpret_cast<const float2*>(po);
         merge_add(acc[0], w, v.x);
@@ -802,7 +798,7 @@ cudaError_t launch_split(const PagedDecodeInt8Params& p, dim3 grid, cudaStream_t
 // Warps per CTA: p.warps when set (4 or 8; an override for tests and sweeps), else 8 when the grid
 // has at most one CTA per SM (small batches: more warps per SM without more splits), else 4.
 // (12 warps in one CTA per SM -- D = 128 at 168 registers fits -- measured 2-6% slower than 8 at
-// B = 1: the SM's loads in flight, not its warps, limit a split; bench/probe_memory_bound.py.)
+// B = 1: warp occupancy does not limit a split; docs/kv_cache.md, "The cluster merge".)
 int decode_warps(int forced, int64_t ctas, int sms) {
   if (forced == 4 || forced == 8) return forced;
   return ctas <= sms ? 8 : 4;
@@ -848,6 +844,10 @@ cudaError_t dispatch_dim(const PagedDecodeInt8Params& p, cudaStream_t stream, in
                            : dispatch_rows<T, 64>(p, stream, max_clusters);
 }
 
+// Head groups per kv head: one with G <= 8 query heads per kv head, else groups of 16 (the
+// kernel's kTwoRows build). The host side of the grid's y = num_kv_heads * head_groups.
+int64_t head_groups(int G) { return G > 8 ? (G + 15) / 16 : 1; }
+
 bool valid_params(const PagedDecodeInt8Params& p) {
   return !((p.head_dim != 64 && p.head_dim != 128) || p.num_kv_heads <= 0 ||
            p.num_q_heads % p.num_kv_heads != 0 || p.block_size < 16 || (p.block_size & 15) != 0 ||
@@ -862,13 +862,10 @@ int paged_decode_int8_num_splits(int batch, int num_q_heads, int num_kv_heads, i
                                  int max_context, int num_sms) {
   if (batch <= 0 || num_kv_heads <= 0 || num_q_heads <= 0) return 1;
   const int G = num_q_heads / num_kv_heads;
-  const bool two = G > 8;
-  const int64_t hg = two ? (G + 15) / 16 : 1;
-  const int64_t ctas = static_cast<int64_t>(batch) * num_kv_heads * hg;
+  const int64_t ctas = static_cast<int64_t>(batch) * num_kv_heads * head_groups(G);
   // Measured on H100 (bench/bench_decode_attention.py's num_splits sweep): at D = 128 the best
   // split count gives about one CTA per SM (more splits cost more than the extra parallelism
   // brings); at D = 64 about one wave of 3 CTAs per SM.
-  (void)two;
   const int64_t slots = static_cast<int64_t>(num_sms > 0 ? num_sms : 132) * (head_dim == 128 ? 1 : 3);
   if (2 * ctas >= slots) return 1;  // the batch alone fills at least half of that
   // at most `slots` CTAs (a partial second wave of equal CTAs costs a whole CTA time), and at
@@ -891,8 +888,7 @@ int64_t paged_decode_int8_workspace_floats(int batch, int num_q_heads, int head_
 int64_t paged_decode_int8_num_counters(int batch, int num_q_heads, int num_kv_heads) {
   if (batch <= 0 || num_kv_heads <= 0 || num_q_heads <= 0) return 0;
   const int G = num_q_heads / num_kv_heads;
-  const int64_t hg = G > 8 ? (G + 15) / 16 : 1;  // as dispatch_rows / launch
-  return static_cast<int64_t>(batch) * num_kv_heads * hg;
+  return static_cast<int64_t>(batch) * num_kv_heads * head_groups(G);
 }
 
 bool paged_decode_int8_cluster_merge_fits(const PagedDecodeInt8Params& q) {
@@ -910,12 +906,14 @@ bool paged_decode_int8_cluster_merge_fits(const PagedDecodeInt8Params& q) {
     return false;
   }
   if (major < 9) return false;
+  // One cluster per (sequence, kv head, head group): as many as the fused merge's counters.
+  const int64_t clusters_needed =
+      paged_decode_int8_num_counters(p.batch, p.num_q_heads, p.num_kv_heads);
+  const int64_t ctas = clusters_needed * p.num_splits;
   // Cached per kernel configuration: which kernel (and so its shared memory and block size) the
   // launch picks depends on the dtype, D, the head grouping, static scales, and whether the grid
   // has at most one CTA per SM (8 warps) or not (4 warps).
   const int G = p.num_q_heads / p.num_kv_heads;
-  const int64_t ctas = static_cast<int64_t>(p.num_splits) * p.num_kv_heads *
-                       (G > 8 ? (G + 15) / 16 : 1) * p.batch;
   const int key = (((((dev * 2 + p.bf16) * 2 + (p.head_dim == 128)) * 2 + (G > 8)) * 2 +
                     p.static_scales) * 2 + (decode_warps(p.warps, ctas, sms) == 8)) * 32 +
                   p.num_splits;
@@ -923,7 +921,6 @@ bool paged_decode_int8_cluster_merge_fits(const PagedDecodeInt8Params& q) {
   // once, so clusters beyond the co-resident count wait for a whole cluster to finish (measured:
   // 32 clusters of 4 one-CTA-per-SM CTAs, Llama-2-7B MHA at B = 1, ran 1.45x slower than the
   // workspace merge).
-  const int64_t clusters_needed = ctas / p.num_splits;
   static std::mutex mu;
   static std::vector<std::pair<int, int>> cache;  // key -> co-resident clusters
   std::lock_guard<std::mutex> lock(mu);
@@ -949,7 +946,7 @@ cudaError_t paged_decode_attention_int8(const PagedDecodeInt8Params& p, cudaStre
     return cudaErrorInvalidValue;
   }
   const int G = p.num_q_heads / p.num_kv_heads;
-  if (static_cast<int64_t>(p.num_kv_heads) * (G > 8 ? (G + 15) / 16 : 1) > 65535) {
+  if (static_cast<int64_t>(p.num_kv_heads) * head_groups(G) > 65535) {
     return cudaErrorInvalidConfiguration;
   }
   if (p.batch == 0) return cudaSuccess;

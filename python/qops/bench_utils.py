@@ -8,10 +8,11 @@ replay removes CPU launch gaps, as in a CUDA-graph decode loop.
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import os
 import statistics
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -73,6 +74,27 @@ def bench_us(
 
 
 _copy_gbps: float | None = None
+
+
+@contextlib.contextmanager
+def env_vars(values: dict[str, Optional[str]]) -> Iterator[None]:
+    """Set (None: unset) environment variables inside the block and restore them after: the
+    kernels' glue reads its tuning and path overrides (QOPS_*) at every call, so this selects them
+    for the calls made, and the CUDA graphs captured, inside."""
+    old = {k: os.environ.get(k) for k in values}
+    try:
+        for k, v in values.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def copy_bandwidth_gbps(nbytes: int = 1 << 30) -> float:
