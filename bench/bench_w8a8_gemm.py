@@ -6,9 +6,12 @@ the bytes that must move (operands, scales, output) and each anchor's time over 
 faster). ``--sweep`` also times every generated tile config, to tune ``SELECTION`` in
 cutlass_kernels/w8a8_configs.py. ``--epilogues`` compares the epilogues against each other: per-tensor
 vs per-token x per-channel vs per-token x per-channel + bias, and fp16 vs bf16 out (the per-token
-epilogue's cost over per-tensor at large M is a target: <= 3%).
+epilogue's cost over per-tensor at large M is a target: <= 3%). Decode rows (M <= 16) also
+report the moved bytes as a fraction of the measured copy bandwidth (target: >= 0.8).
+``--gemv-shapes`` times the decode GEMV at every launch shape it has (rows of N x warps per CTA)
+beside its own choice and the best CUTLASS config, to tune ``gemv_shape``.
 
-    python bench/bench_w8a8_gemm.py --out bench/out [--sweep] [--epilogues] [--quick]
+    python bench/bench_w8a8_gemm.py --out bench/out [--sweep] [--epilogues] [--gemv-shapes] [--quick]
         [--layers 8B.o,70B-tp8.qkv] [--tokens 1,17,300,1000] [--no-anchors] [--uniform-int8]
 """
 from __future__ import annotations
@@ -22,7 +25,8 @@ import torch
 import torch.nn.functional as F
 
 import qops
-from qops.bench_utils import bench_us, line_grid_plot, l2_rotation_sets, print_table, write_csv
+from qops.bench_utils import (bench_us, copy_bandwidth_gbps, env_vars, line_grid_plot, l2_rotation_sets,
+                              print_table, write_csv)
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "cutlass_kernels"))
 import w8a8_configs as table
@@ -148,6 +152,40 @@ def time_fp8(m, n, k):
         return math.nan
 
 
+GEMV_SHAPES = [(8, 4), (8, 8), (16, 8)]  # the built launch shapes (csrc/gemm/w8a8_gemv.cu)
+
+
+def run_gemv_shapes(layers, tokens, out_dir, copy_gbps: float) -> None:
+    """The decode GEMV at every launch shape (QOPS_GEMV_SHAPE), its own choice and the best
+    CUTLASS tile config, per layer and decode M."""
+    rows = []
+    cutlass = [c.name for c in table.CONFIGS]
+    for layer, n, k in layers:
+        for m in [t for t in tokens if t <= table.config_max_m("gemv")]:
+            moved = m * k + n * k + 2 * m * n + 4 * (m + n)
+            r = {"layer": layer, "M": m, "N": n, "K": k, "gemv_us": time_ours(m, n, k, "gemv")}
+            for rws, w in GEMV_SHAPES:
+                with env_vars({"QOPS_GEMV_SHAPE": f"{rws},{w}"}):
+                    r[f"r{rws}w{w}"] = time_ours(m, n, k, "gemv")
+            shapes = {f"r{rws}w{w}": r[f"r{rws}w{w}"] for rws, w in GEMV_SHAPES}
+            r["best_shape"] = min(shapes, key=shapes.get)
+            r["gemv_over_best_shape"] = r["gemv_us"] / shapes[r["best_shape"]]
+            times = {c: time_ours(m, n, k, c) for c in cutlass}
+            r["best_cutlass"] = min(times, key=times.get)
+            r["best_cutlass_us"] = times[r["best_cutlass"]]
+            r["vs_best_cutlass"] = r["best_cutlass_us"] / r["gemv_us"]
+            r["of_copy"] = moved / r["gemv_us"] * 1e-3 / copy_gbps
+            rows.append(r)
+            print(f"{layer:16s} M={m:3d}: gemv {r['gemv_us']:6.1f} us ({r['of_copy']:.2f} of copy), best shape "
+                  f"{r['best_shape']} {shapes[r['best_shape']]:6.1f} us, best CUTLASS {r['best_cutlass_us']:6.1f} us",
+                  flush=True)
+    write_csv(rows, os.path.join(out_dir, "bench_w8a8_gemv_shapes.csv"))
+    print(f"\n== decode GEMV launch shapes (us per call; rRwW = R rows of N and W warps per CTA; "
+          f"copy {copy_gbps:.0f} GB/s)")
+    print_table(rows, ["layer", "M", "gemv_us", *[f"r{r_}w{w_}" for r_, w_ in GEMV_SHAPES], "best_shape",
+                       "gemv_over_best_shape", "best_cutlass_us", "vs_best_cutlass", "of_copy"])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="bench/out")
@@ -158,6 +196,7 @@ def main() -> None:
     p.add_argument("--tokens", help="comma-separated M values (default: %s)" % ",".join(map(str, TOKENS)))
     p.add_argument("--no-anchors", action="store_true", help="time only our kernels (with --sweep: tuning)")
     p.add_argument("--uniform-int8", action="store_true", help="uniform random int8 operands (worst-case power)")
+    p.add_argument("--gemv-shapes", action="store_true", help="also time the decode GEMV at every launch shape")
     args = p.parse_args()
     global UNIFORM_INT8
     UNIFORM_INT8 = args.uniform_int8
@@ -176,6 +215,8 @@ def main() -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f"device: {torch.cuda.get_device_name()} ({sms} SMs), torch {torch.__version__}, out dtype {OUT}, "
           f"int8 operands {'uniform' if UNIFORM_INT8 else 'quantized Gaussians'}")
+    copy_gbps = copy_bandwidth_gbps()
+    print(f"copy bandwidth (1 GiB device-to-device): {copy_gbps:.0f} GB/s", flush=True)
 
     rows, sweep = [], []
     for layer, n, k in layers:
@@ -189,14 +230,15 @@ def main() -> None:
                 base = {"linear_bf16": time_linear(m, n, k), "int_mm_dequant": time_int_mm(m, n, k),
                         "fp8_rowwise": time_fp8(m, n, k)}
             r = {"layer": layer, "M": m, "N": n, "K": k, "config": table.select_config(m, n, k, sms),
-                 "us": us, "TOPs": ops / us * 1e-6, "GBps": moved / us * 1e-3}
+                 "us": us, "TOPs": ops / us * 1e-6, "GBps": moved / us * 1e-3,
+                 "of_copy": moved / us * 1e-3 / copy_gbps if m <= 16 else math.nan}
             for name, t in base.items():
                 r[f"{name}_us"] = t
                 r[f"{name}_TOPs"] = ops / t * 1e-6
                 r[f"vs_{name}"] = t / us
             rows.append(r)
             if args.sweep:
-                times = {c: time_ours(m, n, k, c) for c in table.config_names()}
+                times = {c: time_ours(m, n, k, c) for c in table.config_names(m)}
                 best = min(times, key=times.get)
                 sweep.append({"layer": layer, "M": m, "N": n, "K": k, **{f"{c}_us": t for c, t in times.items()},
                               "best": best, "best_us": times[best], "auto": r["config"],
@@ -211,18 +253,20 @@ def main() -> None:
     if sweep:
         write_csv(sweep, os.path.join(args.out, "bench_w8a8_sweep.csv"))
         print("\n== tile config sweep (us per call)")
-        short = {c: c.split("_c")[0] + "/" + c.split("_")[-1][:4] for c in table.config_names()}
+        short = {c: c.split("_c")[0] + "/" + c.split("_")[-1][:4] if "_c" in c else c for c in table.config_names()}
         for s in sweep:
             for c in table.config_names():
-                s[short[c]] = s[f"{c}_us"]
+                s[short[c]] = s.get(f"{c}_us", math.nan)
         print_table(sweep, ["layer", "M"] + list(short.values()) + ["best", "auto_over_best"])
         worst = max(sweep, key=lambda s: s["auto_over_best"])
         print(f"auto is within {100 * (worst['auto_over_best'] - 1):.1f}% of the best config at every shape "
               f"(worst: {worst['layer']} M={worst['M']}, auto {worst['auto']}, best {worst['best']})")
+    if args.gemv_shapes:
+        run_gemv_shapes(layers, tokens, args.out, copy_gbps)
     if args.epilogues:
         run_epilogues(layers, [m for m in EPILOGUE_TOKENS if not args.quick or m in (16, 4096)], args.out)
     print("\n== w8a8_gemm vs anchors (vs_X = X's time / ours)")
-    print_table(rows, ["layer", "M", "config", "us", "TOPs", "GBps", "linear_bf16_us", "vs_linear_bf16",
+    print_table(rows, ["layer", "M", "config", "us", "TOPs", "GBps", "of_copy", "linear_bf16_us", "vs_linear_bf16",
                        "vs_int_mm_dequant", "vs_fp8_rowwise"])
 
 

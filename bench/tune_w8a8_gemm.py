@@ -11,6 +11,8 @@ are within ``--tolerance`` the earlier pick is kept (fewer switches, less noise)
 
     python bench/tune_w8a8_gemm.py --out bench/out                  # on the GPU: sweep + table
     python bench/tune_w8a8_gemm.py --from-csv bench/out/tune_w8a8.csv  # rebuild the table only
+    python bench/tune_w8a8_gemm.py --out bench/out --max-m 16 --merge cutlass_kernels/w8a8_tuned.json
+                                     # re-tune the decode bucket only, keep the rest of the table
 
 Check the result with a held-out sweep at other M values:
 ``bench/bench_w8a8_gemm.py --sweep --no-anchors --tokens ...`` reports auto over best.
@@ -78,6 +80,26 @@ def build_table(rows: list[dict], tolerance: float) -> list[dict]:
     return out
 
 
+def merge_tables(new: list[dict], old: list[dict], top: int) -> list[dict]:
+    """`new`'s picks up to M = `top` (the largest bucket it timed), `old`'s above; shapes only in
+    `old` are kept as they are."""
+    old_by_shape = {(s["n"], s["k"]): s for s in old}
+    out = []
+    for s in new:
+        o = old_by_shape.pop((s["n"], s["k"]), None)
+        picks = [list(p) for p in s["picks"] if p[0] <= top]
+        if o is not None:
+            picks += [list(p) for p in o["picks"] if p[0] > top]
+        merged: list[list] = []
+        for m, c in picks:
+            if merged and merged[-1][1] == c:
+                merged[-1][0] = m
+            else:
+                merged.append([m, c])
+        out.append({**s, "picks": merged})
+    return out + list(old_by_shape.values())
+
+
 def sweep(layers, ms, out_dir) -> list[dict]:
     import torch
 
@@ -86,19 +108,18 @@ def sweep(layers, ms, out_dir) -> list[dict]:
 
     rows = []
     path = os.path.join(out_dir, "tune_w8a8.csv")
-    names = table.config_names()
     t0 = time.time()
     total = len(layers) * len(ms)
     for li, (layer, n, k) in enumerate(layers):
         for m in ms:
             r = {"layer": layer, "M": m, "N": n, "K": k}
-            for c in names:
+            for c in table.config_names(m):  # the configs that serve m rows
                 r[f"{c}_us"] = time_ours(m, n, k, c)
             rows.append(r)
         done = len(rows)
         print(f"[{done}/{total}] {layer} N={n} K={k} done, {time.time() - t0:.0f} s", flush=True)
         with open(path, "w", newline="") as f:  # after every layer: a partial run is not lost
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(c for r in rows for c in r)))
             w.writeheader()
             w.writerows(rows)
         torch.cuda.empty_cache()
@@ -116,6 +137,8 @@ def main() -> int:
     p.add_argument("--max-m", type=int, default=8192)
     p.add_argument("--tolerance", type=float, default=0.03,
                    help="keep the previous bucket's config if within this fraction of the best")
+    p.add_argument("--merge", metavar="JSON", help="keep this table's picks above the largest M bucket timed "
+                   "now (re-tune a range of M, e.g. --max-m 16 after a decode kernel changed)")
     p.add_argument("--json", default=None, help=f"table to write (default: {DEFAULT_JSON} with --from-csv, "
                    "else OUT/w8a8_tuned.json)")
     a = p.parse_args()
@@ -154,6 +177,13 @@ def main() -> int:
     if sms is None:
         p.error("the sweep's .meta.json (device, SM count) is missing next to the CSV")
     shapes = build_table(rows, a.tolerance)
+    if a.merge:
+        with open(a.merge) as f:
+            old = json.load(f)
+        if (old["device"], old["num_sms"]) != (device, sms):
+            p.error(f"{a.merge} was tuned on {old['device']} ({old['num_sms']} SMs), not {device} ({sms} SMs)")
+        tops = buckets(max(int(r["M"]) for r in rows))
+        shapes = merge_tables(shapes, old["shapes"], tops[-1])
     doc = {"about": "qops.w8a8_gemm config per (N, K) and M bucket, written by bench/tune_w8a8_gemm.py; "
                     "used only on GPUs with num_sms SMs (other problems: SELECTION's rules)",
            "device": device, "num_sms": sms, "tolerance": a.tolerance, "shapes": shapes}

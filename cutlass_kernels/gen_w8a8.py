@@ -5,7 +5,8 @@ For every tile config of ``w8a8_configs.CONFIGS`` x output dtype x scale mode, t
 dequantizing epilogue ``D = accum * a_scale * b_scale + bias`` into a CUTLASS epilogue visitor tree
 (EVT), emits the kernel with ``cutlass_cppgen`` and wraps it in a torch-free launcher (one ``.cu``
 each). It then writes ``w8a8_dispatch.cu``, which implements ``csrc/gemm/w8a8_sm90.h``: the config
-names, the table's selection rules and the (config, dtype, mode) -> kernel table.
+names, the table's selection rules and the (config, dtype, mode) -> kernel table, in which the
+hand-written kernels of ``w8a8_configs.HAND_WRITTEN`` (csrc/) follow the generated ones.
 
     gen_w8a8.py --out DIR [--nvcc-version 13.0]
 
@@ -212,6 +213,7 @@ _DISPATCH_TEMPLATE = """\
 
 #include "gemm/w8a8_sm90.h"
 #include "w8a8_select.h"
+{hand_written_includes}
 
 namespace qops {{
 namespace w8a8_sm90 {{
@@ -271,6 +273,13 @@ int num_configs() {{ return {num_configs}; }}
 
 const char* config_name(int config) {{
   return config >= 0 && config < num_configs() ? kConfigNames[config] : nullptr;
+}}
+
+int config_max_m(int config) {{
+  switch (config) {{
+{max_m_cases}
+    default: return 0;
+  }}
 }}
 
 int select_config(int m, int n, int k, int num_sms) {{ return select::select_config(m, n, k, num_sms); }}
@@ -444,10 +453,19 @@ def generate(nvcc_version: str) -> dict[str, str]:
                 declarations.append(f"cudaError_t {function}(const Problem&, int, cudaStream_t, size_t*);")
                 entries.append(f"    {{{ci}, {_DTYPES[out_dtype][2]}, {_MODES[scale_mode]}, "
                                f"&kernels::{function}}},")
+    max_m_cases = []
+    for hi, h in enumerate(table.HAND_WRITTEN):  # csrc/ kernels: one launcher for all variants
+        ci = len(table.CONFIGS) + hi
+        max_m_cases.append(f"    case {ci}: return {h.max_m};  // {h.name}")
+        for out_dtype in table.OUT_DTYPES:
+            for scale_mode in table.SCALE_MODES:
+                entries.append(f"    {{{ci}, {_DTYPES[out_dtype][2]}, {_MODES[scale_mode]}, &{h.function}}},")
     files["w8a8_dispatch.cu"] = _DISPATCH_TEMPLATE.format(
         declarations="\n".join(declarations),
+        hand_written_includes="\n".join(sorted({f'#include "{h.header}"' for h in table.HAND_WRITTEN})),
         names="\n".join(f'    "{n}",' for n in table.config_names()),
-        entries="\n".join(entries), num_configs=len(table.CONFIGS))
+        max_m_cases="\n".join(max_m_cases),
+        entries="\n".join(entries), num_configs=len(table.config_names()))
     files["w8a8_select.h"] = _SELECT_TEMPLATE.format(selection=_selection_code(), tiles=_tiles_code(),
                                                      **_tuned_code())
     return files

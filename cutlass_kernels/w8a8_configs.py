@@ -8,7 +8,8 @@ a minute of one core each to compile (nvcc 13): add one only with a sweep that s
 wins.
 
 Tile configs are named by the CTA tile (M x N x K), the cluster shape and the kernel schedule;
-the name is the ``config=`` value that ``qops.w8a8_gemm`` accepts.
+the name is the ``config=`` value that ``qops.w8a8_gemm`` accepts. Hand-written kernels in csrc/
+join the table as ``HAND_WRITTEN`` configs: same Problem, same dispatch, same tuner.
 """
 from __future__ import annotations
 
@@ -61,6 +62,24 @@ CONFIGS: tuple[TileConfig, ...] = (
 
 
 @dataclass(frozen=True)
+class HandWritten:
+    """A kernel written in csrc/ that the generated dispatch calls like a tile config: `function`
+    (declared in `header`) has the generated launchers' signature and serves every output dtype and
+    scale mode of problems with m <= `max_m`."""
+    name: str
+    header: str
+    function: str
+    max_m: int
+
+
+HAND_WRITTEN: tuple[HandWritten, ...] = (
+    # Decode: split-K GEMV, 8-32 rows of N per CTA and K split over warps and cluster CTAs, so
+    # that every SM streams weights (csrc/gemm/w8a8_gemv.cu; docs/w8a8_gemm.md).
+    HandWritten("gemv", "gemm/w8a8_gemv.h", "qops::w8a8_sm90::gemv", max_m=16),
+)
+
+
+@dataclass(frozen=True)
 class Rule:
     """Problems with m <= max_m, n <= max_n and k <= max_k (None: no bound) run `pick`: one config
     name, or a tuple of names to choose from by wave quantization (select_config)."""
@@ -79,6 +98,7 @@ class Rule:
 #   more of the last wave idle (e.g. M = 1024, N = 6144: 192 tiles on 132 SMs) or K is short
 #   (the epilogue's share is large); stream-K at small N.
 SELECTION: tuple[Rule, ...] = (
+    Rule("gemv", max_m=16),
     Rule("64x64x256_c1x8x1_ws", max_m=64, max_n=8191),
     Rule("64x128x256_c1x4x1_ws", max_m=64),
     Rule("64x64x256_c1x8x1_ws", max_m=128, max_n=2048),
@@ -124,8 +144,15 @@ def tuned_config(m: int, n: int, k: int, num_sms: int) -> str | None:
     return next((c for max_m, c in picks if m <= max_m), picks[-1][1])
 
 
-def config_names() -> list[str]:
-    return [c.name for c in CONFIGS]
+def config_names(m: int | None = None) -> list[str]:
+    """Every config's name (the generated tile configs, then the hand-written kernels), in the
+    dispatch table's order; with `m`, only those that serve problems of m rows."""
+    return [c.name for c in CONFIGS] + [h.name for h in HAND_WRITTEN if m is None or m <= h.max_m]
+
+
+def config_max_m(name: str) -> int | None:
+    """The largest M config `name` serves (None: any)."""
+    return next((h.max_m for h in HAND_WRITTEN if h.name == name), None)
 
 
 def _by_name() -> dict[str, TileConfig]:
@@ -165,10 +192,18 @@ def check_table() -> None:
     for r in SELECTION:
         for name in (r.pick,) if isinstance(r.pick, str) else r.pick:
             assert name in names, f"SELECTION names an unknown config {name}"
+            limit = config_max_m(name)
+            assert isinstance(r.pick, str) or limit is None, f"{name} cannot be a wave-quantization candidate"
+            assert limit is None or (r.max_m is not None and r.max_m <= limit), \
+                f"a rule picks {name} for M beyond its max_m = {limit}"
     for (n, k), picks in TUNED.items():
         for max_m, name in picks:
             assert name in names, f"{TUNED_PATH}: N={n} K={k} names an unknown config {name}"
+            limit = config_max_m(name)
+            assert limit is None or max_m <= limit, f"{TUNED_PATH}: N={n} K={k} picks {name} beyond M = {limit}"
         assert [m for m, _ in picks] == sorted({m for m, _ in picks}), f"{TUNED_PATH}: N={n} K={k}: unsorted"
+    for h in HAND_WRITTEN:
+        assert h.max_m >= 1 and h.header.endswith(".h") and "::" in h.function, h
     for c in CONFIGS:
         assert c.schedule in ("ws", "pingpong", "cooperative"), c
         assert c.schedule != "cooperative" or c.cta[0] >= 128, f"{c.name}: cooperative needs CTA M >= 128"

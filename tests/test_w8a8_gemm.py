@@ -130,7 +130,10 @@ def test_table_is_consistent():
     names = table.config_names()
     for m in (1, 16, 17, 32, 33, 64, 128, 129, 4096, 100000):
         for n in (16, 4096, 16384, 28672):
-            assert table.select_config(m, n, 4096) in names
+            pick = table.select_config(m, n, 4096)
+            assert pick in names and m <= (table.config_max_m(pick) or m)
+    assert table.config_names(17) == [c.name for c in table.CONFIGS]  # the GEMV serves M <= 16
+    assert table.config_names(16)[-1] == "gemv" and table.select_config(1, 576, 1536) == "gemv"
 
 
 def _read(path):
@@ -231,20 +234,61 @@ def run_and_check(a, b, sa, sb, dtype, bias=None, **kw):
     return d
 
 
-@pytest.mark.gpu
 # decode_split: 20 N tiles of K = 8192 at M = 5, which the stream-K configs split over the SMs.
-@pytest.mark.parametrize("shape", [(133, 208, 272), (300, 1040, 4112), (5, 1280, 8192)],
-                         ids=["small", "multi_k", "decode_split"])
+_KERNEL_SHAPES = {"small": (133, 208, 272), "multi_k": (300, 1040, 4112), "decode_split": (5, 1280, 8192),
+                  "decode_small": (16, 48, 272)}
+# Every config at every shape it serves (the hand-written GEMV: M <= 16 only).
+_CONFIG_SHAPES = [pytest.param(c, shape, id=f"{c}-{sid}") for c in table.config_names()
+                  for sid, shape in _KERNEL_SHAPES.items()
+                  if (table.config_max_m(c) or shape[0]) >= shape[0]]
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("mode", table.SCALE_MODES)
 @pytest.mark.parametrize("dtype", HALF, ids=["fp16", "bf16"])
-@pytest.mark.parametrize("config", table.config_names())
-def test_every_generated_kernel(config, dtype, mode, bias, shape):
+@pytest.mark.parametrize("config,shape", _CONFIG_SHAPES)
+def test_every_generated_kernel(config, shape, dtype, mode, bias):
     _needs_kernel()
     m, n, k = shape
     per = mode == "token_channel"
     a, b, sa, sb, bz = make_inputs(m, n, k, device="cuda", per_token=per, per_channel=per, bias=bias, dtype=dtype)
     run_and_check(a, b, sa, sb, dtype, bz, config=config)
+
+
+# The decode GEMV at every launch shape it has (QOPS_GEMV_SHAPE = rows of N per CTA, warps per
+# CTA), for M of one row group and of two: rows that leave a partial last CTA (N = 48 with 16 rows),
+# K tails that are not a whole 64-byte chunk, more K slices than chunks (idle warps).
+_GEMV_PROBLEMS = [(1, 48, 16), (3, 208, 272), (8, 1040, 4112), (9, 80, 1040), (16, 1296, 8208)]
+_GEMV_SHAPES = [(8, 4), (8, 8), (16, 8)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("launch", _GEMV_SHAPES, ids=[f"r{r}w{w}" for r, w in _GEMV_SHAPES])
+@pytest.mark.parametrize("problem", _GEMV_PROBLEMS, ids=[f"{m}x{n}x{k}" for m, n, k in _GEMV_PROBLEMS])
+@pytest.mark.parametrize("dtype", HALF, ids=["fp16", "bf16"])
+def test_gemv_every_launch_shape(problem, launch, dtype, monkeypatch):
+    _needs_kernel()
+    m, n, k = problem
+    i = _GEMV_PROBLEMS.index(problem) + _GEMV_SHAPES.index(launch)
+    per, bias = i % 3 != 0, i % 2 == 0  # both scale modes, with and without bias, across problems
+    monkeypatch.setenv("QOPS_GEMV_SHAPE", f"{launch[0]},{launch[1]}")
+    a, b, sa, sb, bz = make_inputs(m, n, k, device="cuda", per_token=per, per_channel=per, bias=bias, dtype=dtype)
+    d = run_and_check(a, b, sa, sb, dtype, bz, config="gemv")
+    # exact int32 sums and the reference's float32 steps, each rounded: the reference's bits
+    assert torch.equal(d, qops.gemm._w8a8_gemm_ref(a, b, sa, sb, dtype, bz))
+
+
+@pytest.mark.gpu
+def test_gemv_errors(monkeypatch):
+    _needs_kernel()
+    a, b, sa, sb, _ = make_inputs(17, 32, 64, device="cuda")
+    with pytest.raises(ValueError, match="qops.w8a8_gemm: config 'gemv' serves M <= 16, got M = 17"):
+        qops.w8a8_gemm(a, b, sa, sb, torch.float16, config="gemv")
+    for bad in ("12,4", "16", "16,4", "8,4x", "x"):
+        monkeypatch.setenv("QOPS_GEMV_SHAPE", bad)
+        with pytest.raises(ValueError, match="QOPS_GEMV_SHAPE must be ROWS,WARPS, one of 8,4 8,8 16,8"):
+            qops.w8a8_gemm(a[:4], b, sa[:4], sb, torch.float16, config="gemv")
 
 
 @pytest.mark.gpu
@@ -311,11 +355,12 @@ def test_zero_sizes_and_zero_k_on_cuda():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", ["auto"] + [c.name for c in table.CONFIGS if c.stream_k])
+@pytest.mark.parametrize("config", ["auto", "gemv"] + [c.name for c in table.CONFIGS if c.stream_k])
 def test_inputs_unchanged_and_cuda_graph_replay(config):
     """Also: a stream-K config's workspace, allocated during capture, is re-initialized per replay."""
     _needs_kernel()
-    a, b, sa, sb, bias = make_inputs(17, 4096, 4096, device="cuda", bias=True, dtype=torch.bfloat16)
+    m = 16 if config == "gemv" else 17
+    a, b, sa, sb, bias = make_inputs(m, 4096, 4096, device="cuda", bias=True, dtype=torch.bfloat16)
     saved = [t.clone() for t in (a, b, sa, sb, bias)]
     fn = maybe_compile(lambda a, b, sa, sb, bias: qops.w8a8_gemm(a, b, sa, sb, torch.bfloat16, bias, config=config))
     expect = fn(a, b, sa, sb, bias)
@@ -376,4 +421,4 @@ def test_opcheck_cuda():
     a, b, sa, sb, bias = make_inputs(33, 128, 256, device="cuda", bias=True)
     torch.library.opcheck(torch.ops.qops.w8a8_gemm.default, (a, b, sa, sb, torch.float16, bias))
     torch.library.opcheck(torch.ops.qops.w8a8_gemm.default, (a, b, sa[:1], sb[:1], torch.float16),
-                          {"config": table.config_names()[-1]})
+                          {"config": table.CONFIGS[-1].name})

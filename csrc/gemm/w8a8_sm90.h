@@ -5,7 +5,8 @@
 //
 // The kernels and this API's implementation are generated at build time by
 // cutlass_kernels/gen_w8a8.py from the table in cutlass_kernels/w8a8_configs.py (CUTLASS Python
-// interface, one kernel per tile config x output dtype x scale mode; docs/w8a8_gemm.md).
+// interface, one kernel per tile config x output dtype x scale mode; docs/w8a8_gemm.md); the
+// table's hand-written decode GEMV (gemm/w8a8_gemv.h) is dispatched through it too.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -37,11 +38,19 @@ struct Problem {
   ScaleMode scale_mode;
   void* workspace;         // device scratch of at least workspace_size() bytes (stream-K configs)
   size_t workspace_bytes;  // its size; nullptr / 0 when workspace_size() is 0
+  // The decode GEMV's launch shape (gemm/w8a8_gemv.h GemvShape), for tests and sweeps: rows of
+  // N per CTA and warps per CTA; 0 = its own choice. The other configs ignore it.
+  int gemv_rows_per_cta;
+  int gemv_warps;
 };
 
-// The generated tile configs, by name (the names of w8a8_configs.CONFIGS, in table order).
+// The configs, by name (w8a8_configs.config_names(): the generated tile configs, then the
+// hand-written kernels of w8a8_configs.HAND_WRITTEN, in table order).
 int num_configs();
 const char* config_name(int config);
+
+// The largest M that config `config` serves; 0 = any (the CUTLASS tile configs).
+int config_max_m(int config);
 
 // The config the table's SELECTION rules pick for a problem on a GPU with `num_sms` SMs
 // (w8a8_configs.select_config).

@@ -1,6 +1,8 @@
 // CUDA implementation of qops::w8a8_gemm on Hopper (sm_90a): argument checks, output allocation,
-// stream and device guard, then the generated CUTLASS kernels behind csrc/gemm/w8a8_sm90.h
-// (cutlass_kernels/gen_w8a8.py). No kernel math here; docs/w8a8_gemm.md has the design.
+// stream and device guard, then the generated CUTLASS kernels (and the hand-written decode GEMV)
+// behind csrc/gemm/w8a8_sm90.h (cutlass_kernels/gen_w8a8.py). No kernel math here; docs/w8a8_gemm.md has the design.
+#include <cstdio>
+#include <cstdlib>
 #include <string>
 
 #include "common.h"
@@ -66,6 +68,21 @@ int config_index(c10::string_view config) {
   return -1;
 }
 
+// QOPS_GEMV_SHAPE="ROWS,WARPS" forces the decode GEMV's launch shape (tests and sweeps cover
+// every built shape this way; read on every call, ~0.1 us). Unset: the GEMV's own choice.
+void gemv_override(w8a8::Problem* p) {
+  const char* v = std::getenv("QOPS_GEMV_SHAPE");
+  if (v == nullptr || *v == '\0') return;
+  int rows = 0, warps = 0;
+  char extra = 0;
+  const bool ok = std::sscanf(v, "%d,%d%c", &rows, &warps, &extra) == 2 &&
+                  ((rows == 8 && (warps == 4 || warps == 8)) || (rows == 16 && warps == 8));
+  QOPS_CHECK_VALUE(ok, kOp, "QOPS_GEMV_SHAPE must be ROWS,WARPS, one of 8,4 8,8 16,8; got '", v,
+                   "'");
+  p->gemv_rows_per_cta = rows;
+  p->gemv_warps = warps;
+}
+
 at::Tensor w8a8_gemm_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_scale,
                           const at::Tensor& b_scale, at::ScalarType out_dtype,
                           const std::optional<at::Tensor>& bias, c10::string_view config) {
@@ -94,6 +111,10 @@ at::Tensor w8a8_gemm_cuda(const at::Tensor& a, const at::Tensor& b, const at::Te
     check_contiguous(*bias, kOp, "bias");
   }
   const int cfg = config_index(config);
+  if (cfg >= 0 && w8a8::config_max_m(cfg) > 0) {
+    QOPS_CHECK_VALUE(M <= w8a8::config_max_m(cfg), kOp, "config '", std::string(config),
+                     "' serves M <= ", w8a8::config_max_m(cfg), ", got M = ", M);
+  }
 
   const c10::cuda::CUDAGuard guard(a.device());
   at::Tensor d = at::empty({M, N}, a.options().dtype(out_dtype));
@@ -123,6 +144,7 @@ at::Tensor w8a8_gemm_cuda(const at::Tensor& a, const at::Tensor& b, const at::Te
   p.k = static_cast<int>(K);
   p.out_dtype = out_dtype == at::kHalf ? w8a8::OutDtype::kFloat16 : w8a8::OutDtype::kBFloat16;
   p.scale_mode = per_tensor ? w8a8::ScaleMode::kPerTensor : w8a8::ScaleMode::kPerTokenPerChannel;
+  gemv_override(&p);
   // Stream-K configs need scratch for partial accumulators; it comes from the caching allocator
   // (inside CUDA-graph capture: the graph's pool), as vLLM does, and the kernel re-initializes it.
   size_t workspace_bytes = 0;

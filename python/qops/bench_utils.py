@@ -117,7 +117,7 @@ def write_csv(rows: Sequence[dict], path: str) -> None:
     if not rows:
         return
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    keys = list(rows[0].keys())
+    keys = list(dict.fromkeys(k for r in rows for k in r))  # every row's columns, first-seen order
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys)
         w.writeheader()

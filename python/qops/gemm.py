@@ -78,12 +78,14 @@ def w8a8_gemm(
         out_dtype: ``torch.float16`` or ``torch.bfloat16``.
         bias: optional ``[N]`` in ``out_dtype``, added in float32 before the final rounding.
         config: CUDA only, keyword-only performance knob: ``"auto"`` (the table's choice by
-            problem size) or the name of a tile config in ``cutlass_kernels/w8a8_configs.py``,
-            e.g. ``"128x128x128_c2x1x1_pingpong"``. The CPU reference ignores it.
+            problem size) or the name of a config in ``cutlass_kernels/w8a8_configs.py``: a
+            CUTLASS tile config, e.g. ``"128x128x128_c2x1x1_pingpong"``, or ``"gemv"``, the
+            hand-written decode kernel (M <= 16). The CPU reference ignores it.
 
     K and N must be multiples of 16 and K at most 131071 (the int32 accumulator cannot
     overflow). Returns ``[M, N]`` in ``out_dtype``. On CUDA this runs CUTLASS kernels for Hopper
-    (sm_90a); per-tensor x per-tensor scales and the per-token x per-channel case are separate
+    (sm_90a), and for decode (M <= 16) a split-K GEMV that streams the weights on every SM;
+    per-tensor x per-tensor scales and the per-token x per-channel case are separate
     kernels, and a mixed pair (one ``[1]``, one vector) broadcasts the ``[1]`` scale first.
     """
     return torch.ops.qops.w8a8_gemm(a, b, a_scale, b_scale, out_dtype, bias, config=config)

@@ -1,0 +1,236 @@
+// The decode (M <= 16) kernel of w8a8_gemm: split-K int8 GEMV with the dequantizing epilogue.
+// Header: gemm/w8a8_gemv.h; design and measurements: docs/w8a8_gemm.md, "The decode GEMV".
+//
+// Work split. The weights b [N, K] are cut into CTA tiles of 8 * J rows; a CTA's W warps each take
+// one contiguous slice of the tile's K range (all J row groups of 8). Small CTAs (8 rows, 4 warps)
+// make many of them: every SM streams weights, several CTAs per SM overlap their start-up and
+// epilogue with the others' loads.
+//
+// Inner loop (one warp, one 64-byte chunk of K): lane (g = lane / 4, q = lane % 4) loads 16 bytes
+// of weight row g of each row group and 16 bytes of activation rows g and g + 8, at byte 16 q of
+// the chunk, and issues two mma.sync m16n8k32 per row group. The MMA wants lane q's k values at
+// 4q..4q+3 and 16+4q..16+4q+3 of a 32-wide k step; a dot product does not care about the order
+// of k as long as a and b agree, so each lane's 16 contiguous bytes are used as those k values
+// of two k steps, for a and b alike: coalesced 16-byte loads with no shuffles, and every k is
+// summed exactly once. U chunks are loaded before any is multiplied (J * U weight loads of
+// 16 bytes in flight per lane); the weight loads skip L1 and ask L2 for the 256-byte sector
+// group (a lane quad's next chunks), the activation loads are L1 hits after the first CTA.
+//
+// Reduction: int32, exact, in a fixed order (warps), then the epilogue in float32 as the
+// reference does it: (float(acc) * a_scale) * b_scale + bias, each op rounded once.
+#include "gemm/w8a8_gemv.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+namespace qops {
+namespace w8a8_sm90 {
+namespace {
+
+constexpr int kChunk = 64;  // bytes of K per warp step (4 lanes x 16 bytes)
+
+struct Params {
+  const int8_t* a;
+  int64_t lda;
+  const int8_t* b;
+  int64_t ldb;
+  const float* a_scale;
+  const float* b_scale;
+  const void* bias;
+  void* d;
+  int64_t ldd;
+  int m, n, k;
+  bool per_tensor;
+};
+
+// 16 bytes of global memory, or zeros when !pred (then `ptr` is not read; `safe` is any readable
+// address: the load is always issued, so that the scheduler can batch all of a step's loads
+// before the MMAs that consume them). The weights are streamed once (no L1 allocation); the
+// activations are re-read by every CTA (L1/L2 hits) and use the read-only path.
+__device__ __forceinline__ uint4 load_stream(const int8_t* ptr, const int8_t* safe, bool pred) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(pred ? ptr : safe));
+  return pred ? v : make_uint4(0, 0, 0, 0);
+}
+
+__device__ __forceinline__ uint4 load_cached(const int8_t* ptr, const int8_t* safe, bool pred) {
+  uint4 v;
+  asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(pred ? ptr : safe));
+  return pred ? v : make_uint4(0, 0, 0, 0);
+}
+
+// acc (16 x 8, int32) += a (16 x 32, s8, row) * b (32 x 8, s8, col).
+__device__ __forceinline__ void mma_s8(int (&acc)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                       uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+r"(acc[0]), "+r"(acc[1]), "+r"(acc[2]), "+r"(acc[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+template <typename OutT>
+struct Out2;
+template <>
+struct Out2<__half> {
+  using T = __half2;
+  static __device__ __forceinline__ T make(float x, float y) { return __floats2half2_rn(x, y); }
+  static __device__ __forceinline__ float get(const void* p, int i) {
+    return __half2float(static_cast<const __half*>(p)[i]);
+  }
+};
+template <>
+struct Out2<__nv_bfloat16> {
+  using T = __nv_bfloat162;
+  static __device__ __forceinline__ T make(float x, float y) { return __floats2bfloat162_rn(x, y); }
+  static __device__ __forceinline__ float get(const void* p, int i) {
+    return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
+  }
+};
+
+// J row groups of 8 per CTA, U chunks per load batch, kWarps warps (K slices) per CTA, kM16:
+// M > 8 (activation rows 8..15 read). One CTA per 8 * J rows of N.
+template <int J, int U, int kWarps, bool kM16, typename OutT>
+__global__ void __launch_bounds__(kWarps * 32) w8a8_gemv_kernel(const Params p) {
+  constexpr int kThreads = kWarps * 32;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, q = lane % 4;
+  const int n0 = blockIdx.x * (8 * J);
+
+  // This warp's chunks of K: slice `warp` of kWarps equal slices.
+  const int chunks = (p.k + kChunk - 1) / kChunk;
+  const int c0 = chunks * warp / kWarps, c1 = chunks * (warp + 1) / kWarps;
+
+  const int8_t* brow[J];
+  bool brow_ok[J];
+#pragma unroll
+  for (int j = 0; j < J; ++j) {
+    const int n = n0 + 8 * j + g;
+    brow_ok[j] = n < p.n;
+    brow[j] = p.b + static_cast<int64_t>(brow_ok[j] ? n : 0) * p.ldb + 16 * q;
+  }
+  const bool a0_ok = g < p.m, a1_ok = kM16 && g + 8 < p.m;
+  const int8_t* arow0 = p.a + static_cast<int64_t>(a0_ok ? g : 0) * p.lda + 16 * q;
+  const int8_t* arow1 = p.a + static_cast<int64_t>(a1_ok ? g + 8 : 0) * p.lda + 16 * q;
+
+  int acc[J][4];
+#pragma unroll
+  for (int j = 0; j < J; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0;
+
+  for (int c = c0; c < c1; c += U) {
+    uint4 w[U][J], x[U], y[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int kb = (c + u) * kChunk;
+      const bool ok = c + u < c1 && kb + 16 * q < p.k;
+      x[u] = load_cached(arow0 + kb, p.a, ok && a0_ok);
+      y[u] = kM16 ? load_cached(arow1 + kb, p.a, ok && a1_ok) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+      for (int j = 0; j < J; ++j) w[u][j] = load_stream(brow[j] + kb, p.b, ok && brow_ok[j]);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+#pragma unroll
+      for (int j = 0; j < J; ++j) {
+        mma_s8(acc[j], x[u].x, y[u].x, x[u].y, y[u].y, w[u][j].x, w[u][j].y);
+        mma_s8(acc[j], x[u].z, y[u].z, x[u].w, y[u].w, w[u][j].z, w[u][j].w);
+      }
+    }
+  }
+
+  // ---- reduce the warps' partial sums: red[warp][j][e][lane] (e: the 4 accumulator registers).
+  __shared__ int red[kWarps][J][4][32];
+#pragma unroll
+  for (int j = 0; j < J; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) red[warp][j][e][lane] = acc[j][e];
+  __syncthreads();
+  // Pair i = (h, j, l): lane l's registers 2h, 2h + 1 of row group j, i.e. row l / 4 + 8 h and
+  // columns 2 (l % 4) + {0, 1} of the group's 8.
+  constexpr int kPairs = J * 64;
+  for (int i = threadIdx.x; i < kPairs; i += kThreads) {
+    const int l = i % 32, j = (i / 32) % J, h = i / (32 * J);
+    const int m = l / 4 + 8 * h, n = n0 + 8 * j + 2 * (l % 4);
+    if (m >= p.m || n >= p.n) continue;
+    int s0 = 0, s1 = 0;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      s0 += red[w][j][2 * h][l];
+      s1 += red[w][j][2 * h + 1][l];
+    }
+    const float sa = p.a_scale[p.per_tensor ? 0 : m];
+    const float sb0 = p.b_scale[p.per_tensor ? 0 : n], sb1 = p.b_scale[p.per_tensor ? 0 : n + 1];
+    float v0 = __fmul_rn(__fmul_rn(static_cast<float>(s0), sa), sb0);
+    float v1 = __fmul_rn(__fmul_rn(static_cast<float>(s1), sa), sb1);
+    if (p.bias != nullptr) {
+      v0 = __fadd_rn(v0, Out2<OutT>::get(p.bias, n));
+      v1 = __fadd_rn(v1, Out2<OutT>::get(p.bias, n + 1));
+    }
+    *reinterpret_cast<typename Out2<OutT>::T*>(static_cast<OutT*>(p.d) + m * p.ldd + n) =
+        Out2<OutT>::make(v0, v1);
+  }
+}
+
+template <int J, int U, int kWarps, bool kM16, typename OutT>
+cudaError_t launch_variant(const Params& p, cudaStream_t stream) {
+  w8a8_gemv_kernel<J, U, kWarps, kM16, OutT>
+      <<<(p.n + 8 * J - 1) / (8 * J), kWarps * 32, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+// The variants (docs/w8a8_gemm.md has the sweep they were picked from; gemv_shape chooses): 8 rows
+// x 4 or 8 warps with 4 chunks per load batch, and 16 rows x 8 warps with 2 chunks per batch
+// (each activation load serves two row groups).
+template <bool kM16, typename OutT>
+cudaError_t launch_shape(const Params& p, GemvShape s, cudaStream_t stream) {
+  if (s.rows_per_cta == 8 && s.warps == 4) return launch_variant<1, 4, 4, kM16, OutT>(p, stream);
+  if (s.rows_per_cta == 8 && s.warps == 8) return launch_variant<1, 4, 8, kM16, OutT>(p, stream);
+  if (s.rows_per_cta == 16 && s.warps == 8) return launch_variant<2, 2, 8, kM16, OutT>(p, stream);
+  return cudaErrorInvalidValue;
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+}  // namespace
+
+GemvShape gemv_shape(int m, int n, int k, int sm_count) {
+  // From bench/bench_w8a8_gemm.py --gemv-shapes on the H100 (docs/w8a8_gemm.md): 8 rows x 4 warps
+  // streams best in general; 8 warps where the 8-row CTAs are fewer than two per SM (more warps
+  // per SM) or, at M <= 8, where K is long (shorter serial chains per warp); at M > 8 with short
+  // K, 16 rows share each activation load between two row groups.
+  if (m > 8 && k <= 2048) return GemvShape{16, 8};
+  if (n / 8 < 2 * sm_count || (m <= 8 && k >= 8192)) return GemvShape{8, 8};
+  return GemvShape{8, 4};
+}
+
+cudaError_t gemv(const Problem& pr, int sm_count, cudaStream_t stream, size_t* workspace_bytes) {
+  if (workspace_bytes != nullptr) {
+    *workspace_bytes = 0;
+    return cudaSuccess;
+  }
+  if (pr.m < 1 || pr.m > kGemvMaxM || pr.n < 1 || pr.k < 1 || pr.k % 16 != 0 || pr.n % 2 != 0 ||
+      !aligned16(pr.a) || !aligned16(pr.b) || (pr.m > 1 && pr.lda % 16 != 0) ||
+      (pr.n > 1 && pr.ldb % 16 != 0) || pr.ldd % 2 != 0 || reinterpret_cast<uintptr_t>(pr.d) % 4) {
+    return cudaErrorInvalidValue;
+  }
+  GemvShape s = gemv_shape(pr.m, pr.n, pr.k, sm_count);
+  if (pr.gemv_rows_per_cta != 0) s = GemvShape{pr.gemv_rows_per_cta, pr.gemv_warps};
+  const Params p{pr.a,       pr.lda,   pr.b,   pr.ldb, pr.a_scale, pr.b_scale,
+                 pr.bias,    pr.d,     pr.ldd, pr.m,   pr.n,       pr.k,
+                 pr.scale_mode == ScaleMode::kPerTensor};
+  const bool m16 = pr.m > 8;
+  if (pr.out_dtype == OutDtype::kFloat16) {
+    return m16 ? launch_shape<true, __half>(p, s, stream) : launch_shape<false, __half>(p, s, stream);
+  }
+  return m16 ? launch_shape<true, __nv_bfloat16>(p, s, stream)
+             : launch_shape<false, __nv_bfloat16>(p, s, stream);
+}
+
+}  // namespace w8a8_sm90
+}  // namespace qops

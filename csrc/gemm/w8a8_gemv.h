@@ -1,0 +1,42 @@
+// The decode (M <= 16) kernel of w8a8_gemm: a hand-written split-K int8 GEMV. Torch-free.
+//
+// Same contract and Problem as the generated CUTLASS kernels (gemm/w8a8_sm90.h):
+//   d[m, n] = out_dtype( (float(acc[m, n]) * a_scale[m or 0]) * b_scale[n or 0] + float(bias[n]) )
+// It joins their config table as the hand-written config "gemv" (cutlass_kernels/w8a8_configs.py
+// HAND_WRITTEN), so the generated dispatch, the tuner and config= reach it like any tile config.
+//
+// Why a GEMV: at M <= 16 the GEMM is a stream of the weight matrix, and a CUTLASS tile of 64 N
+// columns gives N = 4096 only 64 CTAs for 132 SMs. This kernel gives every SM a share of the
+// weights: small CTAs over 8 or 16 rows of N split K among their warps and reduce the int32
+// partial sums in shared memory. No workspace, no atomics; exact int32 accumulation with
+// mma.sync m16n8k32 (sm_80+). docs/w8a8_gemm.md, "The decode GEMV".
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+
+#include "gemm/w8a8_sm90.h"
+
+namespace qops {
+namespace w8a8_sm90 {
+
+// The largest M the GEMV serves (one m16 MMA tile of rows).
+constexpr int kGemvMaxM = 16;
+
+// Runs d = dequant(a @ b^T) for p.m <= kGemvMaxM on `stream` (the generated table's launch
+// signature: `sm_count` sizes the grid; with `workspace_bytes` set, reports 0 and launches
+// nothing). No allocation, no host synchronization. cudaErrorInvalidValue when p.m > kGemvMaxM
+// or the layout contract of Problem is broken (alignment, k % 16, n % 8); launch errors otherwise.
+cudaError_t gemv(const Problem& p, int sm_count, cudaStream_t stream, size_t* workspace_bytes);
+
+// The launch shape the GEMV picks: rows of N per CTA and warps (K slices) per CTA. The built
+// shapes are {8, 4}, {8, 8} and {16, 8}.
+struct GemvShape {
+  int rows_per_cta;
+  int warps;
+};
+GemvShape gemv_shape(int m, int n, int k, int sm_count);
+
+}  // namespace w8a8_sm90
+}  // namespace qops
