@@ -86,19 +86,19 @@ def decode_problem(B, T, seed):
     return int8_problem(B, *GQA, [T] * B, seed)
 
 
-def decode_rows(copy_bw):
+def decode_rows(copy_bw, batch=1, contexts=(1024, 4096, 16384)):
     rows = []
     HQ, HKV, D = GQA
-    for T in (1024, 4096, 16384):
-        per = 2 * T * HKV * D
+    for T in contexts:
+        per = 2 * batch * T * HKV * D
         n = l2_rotation_sets(per)
-        sets = [decode_problem(1, T, i) for i in range(n)]
-        nbytes = 2 * T * HKV * D + 2 * T * HKV * 4
+        sets = [decode_problem(batch, T, i) for i in range(n)]
+        nbytes = batch * (2 * T * HKV * D + 2 * T * HKV * 4)
         configs = [(0, "auto", 0)]
-        for ns in (4, 8, 16, 32):
+        for ns in ((4, 8, 16, 32) if batch == 1 else (1, 2, 3, 4, 6, 8)):
             for merge in ("cluster", "fused"):
                 for warps in (4, 8):
-                    if ns > 8 and merge == "cluster":
+                    if (ns > 8 and merge == "cluster") or (ns == 1 and merge == "cluster"):
                         continue
                     configs.append((ns, merge, warps))
         for ns, merge, warps in configs:
@@ -107,10 +107,10 @@ def decode_rows(copy_bw):
             path = merge_path(merge) if merge != "auto" else contextlib.nullcontext()
             with path, env_vars({"QOPS_DECODE_WARPS": str(warps) if warps else None}):
                 us = bench_us(lambda i, ns=ns: (lambda: qops.paged_decode_attention_int8(*sets[i], D ** -0.5, num_splits=ns)), n)
-            rows.append({"case": "decode B=1 gqa", "T": T, "num_splits": ns or "auto", "merge": merge,
+            rows.append({"case": f"decode B={batch} gqa", "T": T, "num_splits": ns or "auto", "merge": merge,
                          "warps": warps or "auto", "us": us, "GBps": gbps(nbytes, us),
                          "of_copy_1GiB": gbps(nbytes, us) / copy_bw})
-            print(f"decode B=1 T={T:6d} splits={ns or 'auto':>4} {merge:8s} warps={warps or 'auto':>4}: "
+            print(f"decode B={batch} T={T:6d} splits={ns or 'auto':>4} {merge:8s} warps={warps or 'auto':>4}: "
                   f"{us:7.2f} us {gbps(nbytes, us):6.0f} GB/s", flush=True)
         del sets
         torch.cuda.empty_cache()
@@ -146,6 +146,8 @@ def main():
     ap.add_argument("--splits", type=int, default=0)
     ap.add_argument("--skip-stream", action="store_true")
     ap.add_argument("--skip-decode", action="store_true")
+    ap.add_argument("--decode-batch", type=int, default=1, help="batch of the decode sweep (default 1)")
+    ap.add_argument("--decode-T", default="1024,4096,16384", help="contexts of the decode sweep")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("needs CUDA")
@@ -155,8 +157,10 @@ def main():
         return 0
     copy_bw = copy_bandwidth_gbps()
     print(f"device: {torch.cuda.get_device_name()}, copy bandwidth (1 GiB) {copy_bw:.0f} GB/s")
+    contexts = tuple(int(t) for t in args.decode_T.split(","))
     for name, skip, fn in (("stream", args.skip_stream, stream_rows),
-                           ("decode", args.skip_decode, decode_rows)):
+                           ("decode", args.skip_decode,
+                            lambda bw: decode_rows(bw, args.decode_batch, contexts))):
         if skip:
             continue
         rows = fn(copy_bw)
