@@ -7,10 +7,10 @@ Stream probes (CUDA-graph replay over L2-rotated sets, median, as the benchmarks
   - a bf16 -> int8 cast (out.copy_(x)): the norm's exact traffic pattern (2 bytes read, 1 written
     per element) with no reduction, i.e. the best a "read row, write int8" kernel can expect;
   - the norm kernels (auto, row-resident, pipelined) and the fused add.
-Decode probes: B = 1 paged int8 decode at forced split counts, and the fixed cost of a call
-(one 16-token chunk per CTA).
+Decode probes: Llama-3-8B GQA paged int8 decode (B = 1 by default, --decode-batch B) at forced
+split counts, merges and warps per CTA, beside the heuristic's choice.
 
-    python bench/probe_memory_bound.py [--out DIR]
+    python bench/probe_memory_bound.py [--out DIR] [--skip-stream] [--decode-batch 8 --decode-T 4096]
     python bench/probe_memory_bound.py --ncu norm|add_norm|decode [--T T] [--splits S]
         (runs one case a few times eagerly, for `ncu -k ... --launch-skip 2 --launch-count 1`)
 """
