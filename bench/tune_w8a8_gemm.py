@@ -13,6 +13,8 @@ are within ``--tolerance`` the earlier pick is kept (fewer switches, less noise)
     python bench/tune_w8a8_gemm.py --from-csv bench/out/tune_w8a8.csv  # rebuild the table only
     python bench/tune_w8a8_gemm.py --out bench/out --max-m 16 --merge cutlass_kernels/w8a8_tuned.json
                                      # re-tune the decode bucket only, keep the rest of the table
+    python bench/tune_w8a8_gemm.py --out bench/out --layers 8B.o --ms 193,256 --repeats 3 \
+        --merge cutlass_kernels/w8a8_tuned.json   # re-time one bucket of one shape, medians of 3
 
 Check the result with a held-out sweep at other M values:
 ``bench/bench_w8a8_gemm.py --sweep --no-anchors --tokens ...`` reports auto over best.
@@ -80,27 +82,35 @@ def build_table(rows: list[dict], tolerance: float) -> list[dict]:
     return out
 
 
-def merge_tables(new: list[dict], old: list[dict], top: int) -> list[dict]:
-    """`new`'s picks up to M = `top` (the largest bucket it timed), `old`'s above; shapes only in
-    `old` are kept as they are."""
+def _pick_at(picks, m: int) -> str:
+    return next((c for max_m, c in picks if m <= max_m), picks[-1][1])
+
+
+def merge_tables(new: list[dict], old: list[dict], rows: list[dict]) -> list[dict]:
+    """`new`'s picks in the M buckets that `rows` timed (per shape), `old`'s everywhere else;
+    shapes only in `old` are kept as they are."""
+    tops = buckets()
+    timed: dict[tuple[int, int], set[int]] = {}
+    for r in rows:
+        m = int(r["M"])
+        timed.setdefault((int(r["N"]), int(r["K"])), set()).add(next((t for t in tops if m <= t), tops[-1]))
     old_by_shape = {(s["n"], s["k"]): s for s in old}
     out = []
     for s in new:
-        o = old_by_shape.pop((s["n"], s["k"]), None)
-        picks = [list(p) for p in s["picks"] if p[0] <= top]
-        if o is not None:
-            picks += [list(p) for p in o["picks"] if p[0] > top]
+        key = (s["n"], s["k"])
+        o = old_by_shape.pop(key, None)
         merged: list[list] = []
-        for m, c in picks:
+        for t in tops:
+            c = _pick_at(s["picks"] if o is None or t in timed.get(key, ()) else o["picks"], t)
             if merged and merged[-1][1] == c:
-                merged[-1][0] = m
+                merged[-1][0] = t
             else:
-                merged.append([m, c])
+                merged.append([t, c])
         out.append({**s, "picks": merged})
     return out + list(old_by_shape.values())
 
 
-def sweep(layers, ms, out_dir) -> list[dict]:
+def sweep(layers, ms, out_dir, repeats: int = 1) -> list[dict]:
     import torch
 
     sys.path.insert(0, HERE)
@@ -113,8 +123,13 @@ def sweep(layers, ms, out_dir) -> list[dict]:
     for li, (layer, n, k) in enumerate(layers):
         for m in ms:
             r = {"layer": layer, "M": m, "N": n, "K": k}
-            for c in table.config_names(m):  # the configs that serve m rows
-                r[f"{c}_us"] = time_ours(m, n, k, c)
+            names = table.config_names(m)  # the configs that serve m rows
+            # `repeats` rounds over all configs, the median per config: one slow sample (clock,
+            # a neighbour's traffic) cannot decide a bucket
+            times = {c: sorted(t) for c, t in zip(names, zip(*[[time_ours(m, n, k, c) for c in names]
+                                                                for _ in range(repeats)]))}
+            for c in names:
+                r[f"{c}_us"] = times[c][len(times[c]) // 2]
             rows.append(r)
         done = len(rows)
         print(f"[{done}/{total}] {layer} N={n} K={k} done, {time.time() - t0:.0f} s", flush=True)
@@ -137,8 +152,9 @@ def main() -> int:
     p.add_argument("--max-m", type=int, default=8192)
     p.add_argument("--tolerance", type=float, default=0.03,
                    help="keep the previous bucket's config if within this fraction of the best")
-    p.add_argument("--merge", metavar="JSON", help="keep this table's picks above the largest M bucket timed "
-                   "now (re-tune a range of M, e.g. --max-m 16 after a decode kernel changed)")
+    p.add_argument("--merge", metavar="JSON", help="keep this table's picks in every M bucket not timed now "
+                   "(re-tune some buckets, e.g. --max-m 16 after a decode kernel changed)")
+    p.add_argument("--repeats", type=int, default=1, help="time every point this many times, keep the median")
     p.add_argument("--json", default=None, help=f"table to write (default: {DEFAULT_JSON} with --from-csv, "
                    "else OUT/w8a8_tuned.json)")
     a = p.parse_args()
@@ -170,7 +186,7 @@ def main() -> int:
         ms = [int(x) for x in a.ms.split(",")] if a.ms else timed_ms(a.max_m)
         print(f"device: {device} ({sms} SMs); {len(layers)} shapes x {len(ms)} M buckets x "
               f"{len(table.config_names())} configs", flush=True)
-        rows = sweep(layers, ms, a.out)
+        rows = sweep(layers, ms, a.out, a.repeats)
         with open(os.path.join(a.out, "tune_w8a8.meta.json"), "w") as f:
             json.dump({"device": device, "num_sms": sms}, f)
         json_path = a.json or os.path.join(a.out, "w8a8_tuned.json")
@@ -182,8 +198,7 @@ def main() -> int:
             old = json.load(f)
         if (old["device"], old["num_sms"]) != (device, sms):
             p.error(f"{a.merge} was tuned on {old['device']} ({old['num_sms']} SMs), not {device} ({sms} SMs)")
-        tops = buckets(max(int(r["M"]) for r in rows))
-        shapes = merge_tables(shapes, old["shapes"], tops[-1])
+        shapes = merge_tables(shapes, old["shapes"], rows)
     doc = {"about": "qops.w8a8_gemm config per (N, K) and M bucket, written by bench/tune_w8a8_gemm.py; "
                     "used only on GPUs with num_sms SMs (other problems: SELECTION's rules)",
            "device": device, "num_sms": sms, "tolerance": a.tolerance, "shapes": shapes}

@@ -136,6 +136,25 @@ def test_table_is_consistent():
     assert table.config_names(16)[-1] == "gemv" and table.select_config(1, 576, 1536) == "gemv"
 
 
+def test_tuner_merge_replaces_only_the_timed_buckets():
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import tune_w8a8_gemm as tune
+
+    a, b, c = table.config_names()[:3]
+    old = [{"layer": "x", "n": 64, "k": 64, "picks": [[16, a], [256, b], [8192, c]]},
+           {"layer": "y", "n": 32, "k": 64, "picks": [[8192, c]]}]
+    rows = [{"M": m, "N": 64, "K": 64} for m in (193, 256)]  # bucket (192, 256] only
+    new = tune.build_table([{**r, "layer": "x", f"{a}_us": 1.0, f"{b}_us": 2.0, f"{c}_us": 3.0} for r in rows], 0.03)
+    assert new == [{"layer": "x", "n": 64, "k": 64, "picks": [[256, a]]}]
+    merged = tune.merge_tables(new, old, rows)
+    assert merged[0]["picks"] == [[16, a], [192, b], [256, a], [8192, c]]
+    assert merged[1] == old[1]  # a shape not re-timed is kept
+    # re-timing the decode bucket: a prefix
+    rows16 = [{"M": m, "N": 64, "K": 64} for m in (1, 16)]
+    merged = tune.merge_tables([{"layer": "x", "n": 64, "k": 64, "picks": [[16, c]]}], old, rows16)
+    assert merged[0]["picks"] == [[16, c], [256, b], [8192, c]]
+
+
 def _read(path):
     with open(path) as f:
         return f.read()
