@@ -94,20 +94,23 @@ def merge_tables(new: list[dict], old: list[dict], rows: list[dict]) -> list[dic
     for r in rows:
         m = int(r["M"])
         timed.setdefault((int(r["N"]), int(r["K"])), set()).add(next((t for t in tops if m <= t), tops[-1]))
-    old_by_shape = {(s["n"], s["k"]): s for s in old}
+    new_by_shape = {(s["n"], s["k"]): s for s in new}
     out = []
-    for s in new:
-        key = (s["n"], s["k"])
-        o = old_by_shape.pop(key, None)
+    for o in old + [s for s in new if (s["n"], s["k"]) not in {(x["n"], x["k"]) for x in old}]:
+        key = (o["n"], o["k"])
+        s = new_by_shape.get(key)
+        if s is None:
+            out.append(o)  # not re-timed
+            continue
         merged: list[list] = []
         for t in tops:
-            c = _pick_at(s["picks"] if o is None or t in timed.get(key, ()) else o["picks"], t)
+            c = _pick_at(s["picks"] if s is o or t in timed.get(key, ()) else o["picks"], t)
             if merged and merged[-1][1] == c:
                 merged[-1][0] = t
             else:
                 merged.append([t, c])
-        out.append({**s, "picks": merged})
-    return out + list(old_by_shape.values())
+        out.append({**o, "picks": merged})  # the old entry's layer name
+    return out  # in the old table's order (shapes new to it last): small diffs
 
 
 def sweep(layers, ms, out_dir, repeats: int = 1) -> list[dict]:
