@@ -73,7 +73,7 @@ class HandWritten:
 
 
 HAND_WRITTEN: tuple[HandWritten, ...] = (
-    # Decode: split-K GEMV, 8-32 rows of N per CTA and K split over warps and cluster CTAs, so
+    # Decode: split-K GEMV, 8 or 16 rows of N per CTA with K split over its 4 or 8 warps, so
     # that every SM streams weights (csrc/gemm/w8a8_gemv.cu; docs/w8a8_gemm.md).
     HandWritten("gemv", "gemm/w8a8_gemv.h", "qops::w8a8_sm90::gemv", max_m=16),
 )

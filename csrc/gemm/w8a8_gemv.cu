@@ -226,7 +226,8 @@ cudaError_t gemv(const Problem& pr, int sm_count, cudaStream_t stream, size_t* w
                  pr.scale_mode == ScaleMode::kPerTensor};
   const bool m16 = pr.m > 8;
   if (pr.out_dtype == OutDtype::kFloat16) {
-    return m16 ? launch_shape<true, __half>(p, s, stream) : launch_shape<false, __half>(p, s, stream);
+    return m16 ? launch_shape<true, __half>(p, s, stream)
+               : launch_shape<false, __half>(p, s, stream);
   }
   return m16 ? launch_shape<true, __nv_bfloat16>(p, s, stream)
              : launch_shape<false, __nv_bfloat16>(p, s, stream);

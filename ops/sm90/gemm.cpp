@@ -1,6 +1,7 @@
 // CUDA implementation of qops::w8a8_gemm on Hopper (sm_90a): argument checks, output allocation,
 // stream and device guard, then the generated CUTLASS kernels (and the hand-written decode GEMV)
-// behind csrc/gemm/w8a8_sm90.h (cutlass_kernels/gen_w8a8.py). No kernel math here; docs/w8a8_gemm.md has the design.
+// behind csrc/gemm/w8a8_sm90.h (cutlass_kernels/gen_w8a8.py). No kernel math here;
+// docs/w8a8_gemm.md has the design.
 #include <cstdio>
 #include <cstdlib>
 #include <string>
