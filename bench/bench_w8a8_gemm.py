@@ -9,7 +9,7 @@ vs per-token x per-channel vs per-token x per-channel + bias, and fp16 vs bf16 o
 epilogue's cost over per-tensor at large M is a target: <= 3%). Decode rows (M <= 16) also
 report the moved bytes as a fraction of the measured copy bandwidth (target: >= 0.8).
 ``--gemv-shapes`` times the decode GEMV at every launch shape it has (rows of N x warps per CTA)
-beside its own choice and the best CUTLASS config, to tune ``gemv_shape``.
+and without programmatic dependent launch, beside its own choice and the best CUTLASS config, to tune ``gemv_shape``.
 
     python bench/bench_w8a8_gemm.py --out bench/out [--sweep] [--epilogues] [--gemv-shapes] [--quick]
         [--layers 8B.o,70B-tp8.qkv] [--tokens 1,17,300,1000] [--no-anchors] [--uniform-int8]
@@ -164,6 +164,8 @@ def run_gemv_shapes(layers, tokens, out_dir, copy_gbps: float) -> None:
         for m in [t for t in tokens if t <= table.config_max_m("gemv")]:
             moved = m * k + n * k + 2 * m * n + 4 * (m + n)
             r = {"layer": layer, "M": m, "N": n, "K": k, "gemv_us": time_ours(m, n, k, "gemv")}
+            with env_vars({"QOPS_GEMV_PDL": "0"}):
+                r["no_pdl_us"] = time_ours(m, n, k, "gemv")
             for rws, w in GEMV_SHAPES:
                 with env_vars({"QOPS_GEMV_SHAPE": f"{rws},{w}"}):
                     r[f"r{rws}w{w}"] = time_ours(m, n, k, "gemv")
@@ -182,7 +184,7 @@ def run_gemv_shapes(layers, tokens, out_dir, copy_gbps: float) -> None:
     write_csv(rows, os.path.join(out_dir, "bench_w8a8_gemv_shapes.csv"))
     print(f"\n== decode GEMV launch shapes (us per call; rRwW = R rows of N and W warps per CTA; "
           f"copy {copy_gbps:.0f} GB/s)")
-    print_table(rows, ["layer", "M", "gemv_us", *[f"r{r_}w{w_}" for r_, w_ in GEMV_SHAPES], "best_shape",
+    print_table(rows, ["layer", "M", "gemv_us", "no_pdl_us", *[f"r{r_}w{w_}" for r_, w_ in GEMV_SHAPES], "best_shape",
                        "gemv_over_best_shape", "best_cutlass_us", "vs_best_cutlass", "of_copy"])
 
 

@@ -299,6 +299,47 @@ def test_gemv_every_launch_shape(problem, launch, dtype, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("pdl", ["1", "0"], ids=["pdl", "no_pdl"])
+def test_gemv_reads_what_the_previous_kernel_wrote(pdl, monkeypatch):
+    """Programmatic dependent launch lets the GEMV launch before the previous kernel ends: it must
+    still read the activations and scales that kernel writes (eager and in a CUDA graph)."""
+    _needs_kernel()
+    monkeypatch.setenv("QOPS_GEMV_PDL", pdl)
+    m, n, k = 4, 4096, 4096
+    a_buf = torch.zeros(m, k, dtype=torch.int8, device="cuda")
+    sa_buf = torch.zeros(m, device="cuda")
+    _, b, _, sb, _ = make_inputs(m, n, k, device="cuda")
+    srcs = [make_inputs(m, 16, k, device="cuda")[0:3:2] for _ in range(4)]  # (a, a_scale) pairs
+
+    def chain():
+        outs = []
+        for a, sa in srcs:
+            a_buf.copy_(a)  # the producers, right before the GEMV
+            sa_buf.copy_(sa)
+            outs.append(qops.w8a8_gemm(a_buf, b, sa_buf, sb, torch.bfloat16, config="gemv"))
+        return outs
+
+    want = [qops.gemm._w8a8_gemm_ref(a, b, sa, sb, torch.bfloat16) for a, sa in srcs]
+    for got, ref in zip(chain(), want):
+        assert torch.equal(got, ref)
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        chain()
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(g):
+        outs = chain()
+    for o in outs:
+        o.fill_(float("nan"))
+    a_buf.zero_()
+    g.replay()
+    torch.cuda.synchronize()
+    for got, ref in zip(outs, want):
+        assert torch.equal(got, ref)
+
+
+@pytest.mark.gpu
 def test_gemv_errors(monkeypatch):
     _needs_kernel()
     a, b, sa, sb, _ = make_inputs(17, 32, 64, device="cuda")

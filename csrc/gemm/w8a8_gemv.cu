@@ -123,6 +123,15 @@ __global__ void __launch_bounds__(kWarps * 32) w8a8_gemv_kernel(const Params p) 
 #pragma unroll
   for (int j = 0; j < J; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0;
 
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // Programmatic dependent launch (when the launch allows it, see launch_variant): the next
+  // kernel in the stream may start launching its CTAs now, and this one waits here for the
+  // previous kernel (which may write `a` and the scales) before it reads anything. Without the
+  // launch attribute both instructions return at once.
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+
   for (int c = c0; c < c1; c += U) {
     uint4 w[U][J], x[U], y[U];
 #pragma unroll
@@ -177,21 +186,31 @@ __global__ void __launch_bounds__(kWarps * 32) w8a8_gemv_kernel(const Params p) 
   }
 }
 
+// pdl: launch with programmatic stream serialization (sm_90): the kernel's CTAs may launch
+// while the previous kernel in the stream finishes; they wait for it (griddepcontrol.wait)
+// before reading anything. Inside a CUDA graph this becomes a programmatic edge.
 template <int J, int U, int kWarps, bool kM16, typename OutT>
-cudaError_t launch_variant(const Params& p, cudaStream_t stream) {
-  w8a8_gemv_kernel<J, U, kWarps, kM16, OutT>
-      <<<(p.n + 8 * J - 1) / (8 * J), kWarps * 32, 0, stream>>>(p);
-  return cudaGetLastError();
+cudaError_t launch_variant(const Params& p, bool pdl, cudaStream_t stream) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3((p.n + 8 * J - 1) / (8 * J));
+  cfg.blockDim = dim3(kWarps * 32);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, w8a8_gemv_kernel<J, U, kWarps, kM16, OutT>, p);
 }
 
 // The variants (docs/w8a8_gemm.md has the sweep they were picked from; gemv_shape chooses): 8 rows
 // x 4 or 8 warps with 4 chunks per load batch, and 16 rows x 8 warps with 2 chunks per batch
 // (each activation load serves two row groups).
 template <bool kM16, typename OutT>
-cudaError_t launch_shape(const Params& p, GemvShape s, cudaStream_t stream) {
-  if (s.rows_per_cta == 8 && s.warps == 4) return launch_variant<1, 4, 4, kM16, OutT>(p, stream);
-  if (s.rows_per_cta == 8 && s.warps == 8) return launch_variant<1, 4, 8, kM16, OutT>(p, stream);
-  if (s.rows_per_cta == 16 && s.warps == 8) return launch_variant<2, 2, 8, kM16, OutT>(p, stream);
+cudaError_t launch_shape(const Params& p, GemvShape s, bool pdl, cudaStream_t stream) {
+  if (s.rows_per_cta == 8 && s.warps == 4) return launch_variant<1, 4, 4, kM16, OutT>(p, pdl, stream);
+  if (s.rows_per_cta == 8 && s.warps == 8) return launch_variant<1, 4, 8, kM16, OutT>(p, pdl, stream);
+  if (s.rows_per_cta == 16 && s.warps == 8) return launch_variant<2, 2, 8, kM16, OutT>(p, pdl, stream);
   return cudaErrorInvalidValue;
 }
 
@@ -224,13 +243,13 @@ cudaError_t gemv(const Problem& pr, int sm_count, cudaStream_t stream, size_t* w
   const Params p{pr.a,       pr.lda,   pr.b,   pr.ldb, pr.a_scale, pr.b_scale,
                  pr.bias,    pr.d,     pr.ldd, pr.m,   pr.n,       pr.k,
                  pr.scale_mode == ScaleMode::kPerTensor};
-  const bool m16 = pr.m > 8;
+  const bool m16 = pr.m > 8, pdl = !pr.gemv_no_pdl;
   if (pr.out_dtype == OutDtype::kFloat16) {
-    return m16 ? launch_shape<true, __half>(p, s, stream)
-               : launch_shape<false, __half>(p, s, stream);
+    return m16 ? launch_shape<true, __half>(p, s, pdl, stream)
+               : launch_shape<false, __half>(p, s, pdl, stream);
   }
-  return m16 ? launch_shape<true, __nv_bfloat16>(p, s, stream)
-             : launch_shape<false, __nv_bfloat16>(p, s, stream);
+  return m16 ? launch_shape<true, __nv_bfloat16>(p, s, pdl, stream)
+             : launch_shape<false, __nv_bfloat16>(p, s, pdl, stream);
 }
 
 }  // namespace w8a8_sm90

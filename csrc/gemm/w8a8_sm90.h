@@ -42,6 +42,8 @@ struct Problem {
   // N per CTA and warps per CTA; 0 = its own choice. The other configs ignore it.
   int gemv_rows_per_cta;
   int gemv_warps;
+  // The GEMV launches with programmatic dependent launch (sm_90) unless this is set.
+  bool gemv_no_pdl;
 };
 
 // The configs, by name (w8a8_configs.config_names(): the generated tile configs, then the

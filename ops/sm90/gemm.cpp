@@ -71,7 +71,11 @@ int config_index(c10::string_view config) {
 
 // QOPS_GEMV_SHAPE="ROWS,WARPS" forces the decode GEMV's launch shape (tests and sweeps cover
 // every built shape this way; read on every call, ~0.1 us). Unset: the GEMV's own choice.
+// QOPS_GEMV_PDL=0 launches it without programmatic dependent launch (A/B timing, tests).
 void gemv_override(w8a8::Problem* p) {
+  if (const char* pdl = std::getenv("QOPS_GEMV_PDL"); pdl != nullptr && std::string(pdl) == "0") {
+    p->gemv_no_pdl = true;
+  }
   const char* v = std::getenv("QOPS_GEMV_SHAPE");
   if (v == nullptr || *v == '\0') return;
   int rows = 0, warps = 0;
