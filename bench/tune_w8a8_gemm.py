@@ -95,8 +95,9 @@ def merge_tables(new: list[dict], old: list[dict], rows: list[dict]) -> list[dic
         m = int(r["M"])
         timed.setdefault((int(r["N"]), int(r["K"])), set()).add(next((t for t in tops if m <= t), tops[-1]))
     new_by_shape = {(s["n"], s["k"]): s for s in new}
+    old_keys = {(o["n"], o["k"]) for o in old}
     out = []
-    for o in old + [s for s in new if (s["n"], s["k"]) not in {(x["n"], x["k"]) for x in old}]:
+    for o in old + [s for s in new if (s["n"], s["k"]) not in old_keys]:
         key = (o["n"], o["k"])
         s = new_by_shape.get(key)
         if s is None:

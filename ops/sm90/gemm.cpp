@@ -4,9 +4,11 @@
 // docs/w8a8_gemm.md has the design.
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include "common.h"
+#include "gemm/w8a8_gemv.h"
 #include "gemm/w8a8_sm90.h"
 
 namespace {
@@ -73,7 +75,8 @@ int config_index(c10::string_view config) {
 // every built shape this way; read on every call, ~0.1 us). Unset: the GEMV's own choice.
 // QOPS_GEMV_PDL=0 launches it without programmatic dependent launch (A/B timing, tests).
 void gemv_override(w8a8::Problem* p) {
-  if (const char* pdl = std::getenv("QOPS_GEMV_PDL"); pdl != nullptr && std::string(pdl) == "0") {
+  const char* pdl = std::getenv("QOPS_GEMV_PDL");
+  if (pdl != nullptr && std::strcmp(pdl, "0") == 0) {
     p->gemv_no_pdl = true;
   }
   const char* v = std::getenv("QOPS_GEMV_SHAPE");
@@ -149,7 +152,7 @@ at::Tensor w8a8_gemm_cuda(const at::Tensor& a, const at::Tensor& b, const at::Te
   p.k = static_cast<int>(K);
   p.out_dtype = out_dtype == at::kHalf ? w8a8::OutDtype::kFloat16 : w8a8::OutDtype::kBFloat16;
   p.scale_mode = per_tensor ? w8a8::ScaleMode::kPerTensor : w8a8::ScaleMode::kPerTokenPerChannel;
-  gemv_override(&p);
+  if (M <= w8a8::kGemvMaxM) gemv_override(&p);  // only the GEMV reads it: no getenv for larger M
   // Stream-K configs need scratch for partial accumulators; it comes from the caching allocator
   // (inside CUDA-graph capture: the graph's pool), as vLLM does, and the kernel re-initializes it.
   size_t workspace_bytes = 0;

@@ -81,20 +81,19 @@ def env_vars(values: dict[str, Optional[str]]) -> Iterator[None]:
     """Set (None: unset) environment variables inside the block and restore them after: the
     kernels' glue reads its tuning and path overrides (QOPS_*) at every call, so this selects them
     for the calls made, and the CUDA graphs captured, inside."""
+    def apply(settings: dict[str, Optional[str]]) -> None:
+        for k, v in settings.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
     old = {k: os.environ.get(k) for k in values}
     try:
-        for k, v in values.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        apply(values)
         yield
     finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        apply(old)
 
 
 def copy_bandwidth_gbps(nbytes: int = 1 << 30) -> float:
