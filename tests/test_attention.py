@@ -462,6 +462,54 @@ def test_gpu_small_fused_merge_max_splits(monkeypatch, HQ, HKV, D, dtype):
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("pdl", ["1", "0"])
+@pytest.mark.parametrize("path", PATHS)
+def test_gpu_small_reads_what_the_previous_kernel_wrote(monkeypatch, pdl, path):
+    """Split calls launch with programmatic dependent launch (QOPS_DECODE_PDL=0: without): they
+    may start before the previous kernel ends and must still read the query, cache, scales, block
+    table and lengths that kernel (here: copies right before each call) wrote, eagerly and in a
+    CUDA graph; outputs are bit-identical to the launch without PDL and match the reference."""
+    lens = [700, 300, 37, 1000]
+    HQ, HKV, D = 8, 2, 128
+    sm = D ** -0.5
+    gq = torch.Generator().manual_seed(5)
+    srcs = [[t.cuda() for t in (torch.randn(len(lens), HQ, D, generator=gq).to(torch.float16),
+                                *make_cache(lens, HKV, D, 16, seed=s)[:6])] for s in range(3)]
+    bufs = [torch.zeros_like(t) for t in srcs[0]]  # q, k_cache, v_cache, ks, vs, bt, sl
+
+    def chain():
+        outs = []
+        for src in srcs:
+            for dst, t in zip(bufs, src):
+                dst.copy_(t)  # the producers, right before the call
+            outs.append(qops.paged_decode_attention_int8(*bufs, sm, num_splits=8))
+        return outs
+
+    monkeypatch.setenv("QOPS_DECODE_PDL", "0")
+    want = [_decode(src, sm, None, 8, "unfused", monkeypatch) for src in srcs]
+    with monkeypatch.context() as m:
+        _merge_env(m, path)
+        m.setenv("QOPS_DECODE_PDL", pdl)
+        for got, ref in zip(chain(), want):
+            assert torch.equal(got, ref)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            outs = chain()
+    for o in outs:
+        o.fill_(float("nan"))
+    for b in bufs:
+        b.zero_()
+    g.replay()
+    torch.cuda.synchronize()
+    for got, ref in zip(outs, want):
+        assert torch.equal(got, ref)
+    ref = decode_attention_reference(*(t.cpu() for t in srcs[2]), sm, dtype=torch.float64)
+    torch.testing.assert_close(outs[2].cpu().double(), ref, atol=1.5e-3, rtol=1.5e-3)
+
+
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("path", ["fused", "cluster"])
 def test_gpu_small_fused_merge_repeated_and_cuda_graph(monkeypatch, path):
     """The counters reset themselves: calls in a row (same and different split counts, sharing

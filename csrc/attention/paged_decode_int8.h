@@ -52,6 +52,7 @@ struct PagedDecodeInt8Params {
   int32_t* split_counters;  // fused split merge when non-null (see above)
   bool cluster_merge;       // cluster (DSMEM) split merge (see above); overrides split_counters
   int warps;                // warps per CTA: 0 = the launcher's rule; 4 or 8 (override for tests)
+  bool no_pdl;              // launch without programmatic dependent launch (sm_90; see the .cu)
   int batch, num_q_heads, num_kv_heads, head_dim, block_size, num_blocks, max_blocks;
   int num_splits;
   float sm_scale;
