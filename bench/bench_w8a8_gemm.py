@@ -164,7 +164,7 @@ def run_gemv_shapes(layers, tokens, out_dir, copy_gbps: float) -> None:
         for m in [t for t in tokens if t <= table.config_max_m("gemv")]:
             moved = m * k + n * k + 2 * m * n + 4 * (m + n)
             r = {"layer": layer, "M": m, "N": n, "K": k, "gemv_us": time_ours(m, n, k, "gemv")}
-            with env_vars({"QOPS_GEMV_PDL": "0"}):
+            with env_vars({"QOPS_PDL": "0"}):
                 r["no_pdl_us"] = time_ours(m, n, k, "gemv")
             for rws, w in GEMV_SHAPES:
                 with env_vars({"QOPS_GEMV_SHAPE": f"{rws},{w}"}):

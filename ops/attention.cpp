@@ -194,8 +194,7 @@ at::Tensor paged_decode_attention_int8_cuda(const at::Tensor& query, const at::T
   p.bf16 = query.scalar_type() == at::kBFloat16;
   // QOPS_DECODE_WARPS=4|8 forces the warps per CTA (an override for tests and sweeps).
   if (const char* w = std::getenv("QOPS_DECODE_WARPS")) p.warps = std::atoi(w);
-  // QOPS_DECODE_PDL=0 launches without programmatic dependent launch (A/B benchmarks, tests).
-  if (const char* v = std::getenv("QOPS_DECODE_PDL")) p.no_pdl = std::strcmp(v, "0") == 0;
+  p.no_pdl = !pdl_enabled();  // QOPS_PDL=0
 
   // How the splits are merged: in a thread-block cluster (no workspace), else fused into the
   // split kernel through a workspace and counters, else by a second kernel.

@@ -465,7 +465,7 @@ def test_gpu_small_fused_merge_max_splits(monkeypatch, HQ, HKV, D, dtype):
 @pytest.mark.parametrize("pdl", ["1", "0"])
 @pytest.mark.parametrize("path", PATHS)
 def test_gpu_small_reads_what_the_previous_kernel_wrote(monkeypatch, pdl, path):
-    """Split calls launch with programmatic dependent launch (QOPS_DECODE_PDL=0: without): they
+    """Split calls launch with programmatic dependent launch (QOPS_PDL=0: without): they
     may start before the previous kernel ends and must still read the query, cache, scales, block
     table and lengths that kernel (here: copies right before each call) wrote, eagerly and in a
     CUDA graph; outputs are bit-identical to the launch without PDL and match the reference."""
@@ -485,11 +485,11 @@ def test_gpu_small_reads_what_the_previous_kernel_wrote(monkeypatch, pdl, path):
             outs.append(qops.paged_decode_attention_int8(*bufs, sm, num_splits=8))
         return outs
 
-    monkeypatch.setenv("QOPS_DECODE_PDL", "0")
+    monkeypatch.setenv("QOPS_PDL", "0")
     want = [_decode(src, sm, None, 8, "unfused", monkeypatch) for src in srcs]
     with monkeypatch.context() as m:
         _merge_env(m, path)
-        m.setenv("QOPS_DECODE_PDL", pdl)
+        m.setenv("QOPS_PDL", pdl)
         for got, ref in zip(chain(), want):
             assert torch.equal(got, ref)
         torch.cuda.synchronize()

@@ -304,7 +304,7 @@ def test_gemv_reads_what_the_previous_kernel_wrote(pdl, monkeypatch):
     """Programmatic dependent launch lets the GEMV launch before the previous kernel ends: it must
     still read the activations and scales that kernel writes (eager and in a CUDA graph)."""
     _needs_kernel()
-    monkeypatch.setenv("QOPS_GEMV_PDL", pdl)
+    monkeypatch.setenv("QOPS_PDL", pdl)
     m, n, k = 4, 4096, 4096
     a_buf = torch.zeros(m, k, dtype=torch.int8, device="cuda")
     sa_buf = torch.zeros(m, device="cuda")

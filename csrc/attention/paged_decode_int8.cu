@@ -192,12 +192,10 @@ __global__ void __launch_bounds__(NW * 32, kMinBlocksPerSm<D, kTwoRows, NW>)
   constexpr int S = kStages<D>;
   extern __shared__ __align__(16) unsigned char smem[];
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   // Programmatic dependent launch (when the launch allows it, see split_config): wait for the
   // previous kernel in the stream (which may have written the query, the cache, the block tables)
   // to complete before reading anything. The next kernel is released after the main loop.
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
+  pdl_wait();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int gid = lane >> 2, t4 = lane & 3;
   const int split = blockIdx.x, b = blockIdx.z;
@@ -539,12 +537,10 @@ __global__ void __launch_bounds__(NW * 32, kMinBlocksPerSm<D, kTwoRows, NW>)
     }
     cp_async_wait<0>();
   }
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   // Let the next kernel launch once every CTA is past its stream (its CTAs wait in their own
-  // griddepcontrol.wait until this grid has completed). Not at the start: with more CTAs than
-  // fit at once, waiting CTAs of the next kernel would take the slots of this one's later waves.
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
+  // pdl_wait until this grid has completed). Not at the start: with more CTAs than fit at once,
+  // waiting CTAs of the next kernel would take the slots of this one's later waves.
+  pdl_launch_dependents();
   __syncthreads();  // the pipeline's shared memory becomes the merge buffer
 
   // ---- merge the warps
@@ -816,11 +812,7 @@ cudaError_t split_config(const PagedDecodeInt8Params& p, dim3 grid, cudaStream_t
     a.val.clusterDim.y = 1;
     a.val.clusterDim.z = 1;
   }
-  if (!p.no_pdl && p.num_splits > 1) {
-    cudaLaunchAttribute& a = attrs[cfg->numAttrs++];
-    a.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    a.val.programmaticStreamSerializationAllowed = 1;
-  }
+  if (!p.no_pdl && p.num_splits > 1) append_pdl_attribute(cfg, attrs);
   return cudaSuccess;
 }
 

@@ -20,6 +20,8 @@
 // reference does it: (float(acc) * a_scale) * b_scale + bias, each op rounded once.
 #include "gemm/w8a8_gemv.h"
 
+#include "common/cuda_utils.cuh"  // pdl_wait, append_pdl_attribute
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -123,14 +125,11 @@ __global__ void __launch_bounds__(kWarps * 32) w8a8_gemv_kernel(const Params p) 
 #pragma unroll
   for (int j = 0; j < J; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0;
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   // Programmatic dependent launch (when the launch allows it, see launch_variant): the next
   // kernel in the stream may start launching its CTAs now, and this one waits here for the
-  // previous kernel (which may write `a` and the scales) before it reads anything. Without the
-  // launch attribute both instructions return at once.
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
+  // previous kernel (which may write `a` and the scales) before it reads anything.
+  pdl_launch_dependents();
+  pdl_wait();
 
   for (int c = c0; c < c1; c += U) {
     uint4 w[U][J], x[U], y[U];
@@ -195,11 +194,8 @@ cudaError_t launch_variant(const Params& p, bool pdl, cudaStream_t stream) {
   cfg.gridDim = dim3((p.n + 8 * J - 1) / (8 * J));
   cfg.blockDim = dim3(kWarps * 32);
   cfg.stream = stream;
-  cudaLaunchAttribute attr{};
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = &attr;
-  cfg.numAttrs = pdl ? 1 : 0;
+  cudaLaunchAttribute attr[1];
+  if (pdl) append_pdl_attribute(&cfg, attr);
   return cudaLaunchKernelEx(&cfg, w8a8_gemv_kernel<J, U, kWarps, kM16, OutT>, p);
 }
 

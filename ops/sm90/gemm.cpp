@@ -73,12 +73,9 @@ int config_index(c10::string_view config) {
 
 // QOPS_GEMV_SHAPE="ROWS,WARPS" forces the decode GEMV's launch shape (tests and sweeps cover
 // every built shape this way; read on every call, ~0.1 us). Unset: the GEMV's own choice.
-// QOPS_GEMV_PDL=0 launches it without programmatic dependent launch (A/B timing, tests).
+// QOPS_PDL=0 launches it without programmatic dependent launch (qops_glue::pdl_enabled).
 void gemv_override(w8a8::Problem* p) {
-  const char* pdl = std::getenv("QOPS_GEMV_PDL");
-  if (pdl != nullptr && std::strcmp(pdl, "0") == 0) {
-    p->gemv_no_pdl = true;
-  }
+  p->gemv_no_pdl = !pdl_enabled();
   const char* v = std::getenv("QOPS_GEMV_SHAPE");
   if (v == nullptr || *v == '\0') return;
   int rows = 0, warps = 0;
