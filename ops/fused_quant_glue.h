@@ -31,9 +31,10 @@ inline void check_scale(const std::optional<at::Tensor>& scale, const at::Tensor
 
 // Launch-shape override for tuning (benchmark sweeps): QOPS_FQ_TPR (threads per row to aim for)
 // and QOPS_FQ_CLUSTER (CTAs per row). Read on every call so a sweep can change them; unset in
-// normal use (the kernels choose).
+// normal use (the kernels choose). Also QOPS_PDL (qops_glue::pdl_enabled).
 inline qops::FusedQuantTuning tuning() {
   qops::FusedQuantTuning t;
+  t.pdl = qops_glue::pdl_enabled();
   if (const char* s = std::getenv("QOPS_FQ_TPR")) t.threads_per_row_target = std::atoi(s);
   if (const char* s = std::getenv("QOPS_FQ_CLUSTER")) t.cluster = std::atoi(s);
   return t;

@@ -35,6 +35,8 @@ __global__ void __launch_bounds__(fq::max_threads_for(NV* VEC), fq::min_blocks_f
     silu_and_mul_quant_kernel(const ActParams p) {
   __shared__ float red[2][32];
   __shared__ float part[2];
+  pdl_wait();  // the previous kernel may write the input (common/cuda_utils.cuh)
+  pdl_launch_dependents();
   const int tpr = blockDim.x;
   const int tid = threadIdx.x;
   const int C = p.cluster;
@@ -154,6 +156,7 @@ cudaError_t silu_and_mul_quant(const T* in, int64_t in_row_stride, int8_t* out, 
                          : fq::choose_row_shape(rows, inter, 1, 2 * inter * kBytes, 32, false,
                                                 dev.sms, fq::ShapeHints{512, 1}, &sh);
   if (!ok) return cudaErrorInvalidValue;
+  sh.pdl = tuning.pdl;
   const int64_t nvec = inter / sh.vec;
   ActParams p{in,
               in_row_stride,

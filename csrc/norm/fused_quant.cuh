@@ -265,6 +265,7 @@ struct RowShape {
   int threads_per_row = 32; // multiple of 32
   int rows_per_block = 1;
   int cluster = 1;          // CTAs per row
+  bool pdl = false;         // launch with programmatic dependent launch (FusedQuantTuning::pdl)
 };
 
 // __launch_bounds__ (most threads per block, blocks per SM) for a kernel holding E = NV * VEC
@@ -375,7 +376,7 @@ inline DeviceInfo device_info() {
 }
 
 // Launches a row kernel: row_blocks * cluster blocks, as clusters of `cluster` CTAs (sm_90) when
-// use_cluster and cluster > 1. (A persistent grid of clusters looping over rows was tried to pay
+// use_cluster and cluster > 1, with programmatic dependent launch when sh.pdl. (A persistent grid of clusters looping over rows was tried to pay
 // the cluster launch once: the loop cost the compiler ~100 registers per thread at NV = 7.)
 template <typename Kernel, typename Params>
 cudaError_t launch_rows(Kernel kernel, const Params& p, const RowShape& sh, int64_t row_blocks,
@@ -388,15 +389,16 @@ cudaError_t launch_rows(Kernel kernel, const Params& p, const RowShape& sh, int6
   cfg.blockDim = dim3(sh.threads_per_row, sh.rows_per_block);
   cfg.dynamicSmemBytes = 0;
   cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
+  cudaLaunchAttribute attr[2];
+  cfg.attrs = attr;
   if (cluster) {
     attr[0].id = cudaLaunchAttributeClusterDimension;
     attr[0].val.clusterDim.x = sh.cluster;
     attr[0].val.clusterDim.y = 1;
     attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
     cfg.numAttrs = 1;
   }
+  if (sh.pdl) append_pdl_attribute(&cfg, attr);
   return cudaLaunchKernelEx(&cfg, kernel, p);
 }
 

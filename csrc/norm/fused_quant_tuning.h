@@ -16,6 +16,9 @@ struct FusedQuantTuning {
   // Norm only (the activation kernels ignore them):
   int norm_variant = kNormVariantAuto;  // a forced variant that does not fit falls back to rowres
   int pipe_stages = 0;                  // pipelined ring depth (2 or 3); 0 = choose
+  // Launch with programmatic dependent launch (common/cuda_utils.cuh; the glue clears it for
+  // QOPS_PDL=0).
+  bool pdl = true;
 };
 
 }  // namespace qops

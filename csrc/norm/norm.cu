@@ -77,6 +77,8 @@ __global__ void __launch_bounds__(norm_max_threads(NV* VEC), norm_min_blocks(NV*
     rms_norm_quant_kernel(const NormParams p) {
   __shared__ float red[2][32];
   __shared__ float part[2];
+  pdl_wait();  // the previous kernel may write x, the residual, the scale (common/cuda_utils.cuh)
+  pdl_launch_dependents();
   const int tpr = blockDim.x;
   const int tid = threadIdx.x;
   const int C = p.cluster;
@@ -434,6 +436,8 @@ __global__ void __launch_bounds__(kPipeMaxThreads, kRes ? 3 : 4)
     rms_norm_quant_pipe_kernel(const NormParams p) {
   extern __shared__ uint4 pipe_ring[];
   __shared__ __align__(16) float red[2][kPipeMaxGroups][16];
+  pdl_wait();  // as rms_norm_quant_kernel
+  pdl_launch_dependents();
   {  // the partial slots of absent warps must read as zero (see the row reduction)
     const int t = threadIdx.y * blockDim.x + threadIdx.x;
     for (int i = t; i < 2 * kPipeMaxGroups * 16; i += blockDim.x * blockDim.y)
@@ -582,6 +586,8 @@ cudaError_t try_launch_pipelined(const NormParams& p, const FusedQuantTuning& tu
   cfg.blockDim = dim3(sh.threads_per_row, sh.rows_per_block);
   cfg.dynamicSmemBytes = sh.smem;
   cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  if (tuning.pdl) append_pdl_attribute(&cfg, attr);
   *launched = true;
   return cudaLaunchKernelEx(&cfg, fn, p);
 }
@@ -630,6 +636,7 @@ cudaError_t rms_norm_quant(const T* in, int64_t in_row_stride, T* residual,
              : fq::choose_row_shape(rows, hidden, 1, hidden * kBytes, 32, false, dev.sms,
                                     fq::ShapeHints{512, 1}, &sh, norm_max_threads_host);
   if (!ok) return cudaErrorInvalidValue;
+  sh.pdl = tuning.pdl;
   const int64_t nvec = hidden / sh.vec;
   NormParams p{in,
                in_row_stride,

@@ -1,0 +1,114 @@
+"""Programmatic dependent launch across qops kernels (csrc/common/cuda_utils.cuh).
+
+The norm, activation, decode-GEMV and split decode-attention kernels launch with programmatic
+stream serialization and release the next kernel early, so a kernel can be dispatched while the
+one before it still runs. Each must wait (pdl_wait) before touching memory its predecessor writes.
+These tests chain the kernels the way a decode layer does -- each reading what the previous one
+wrote, some in place -- and require bit-identical results with PDL on and off (QOPS_PDL=0),
+eagerly and replayed from a CUDA graph. The per-op files test PDL chains of one op with itself.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import qops
+
+gpu = pytest.mark.gpu
+
+
+def _needs_gemm():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    if not qops.has_cuda_kernel("w8a8_gemm") or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the chain includes the sm_90a w8a8_gemm kernels")
+
+
+def _weights(n, k, g):
+    w = torch.randint(-128, 128, (n, k), dtype=torch.int8, device="cuda", generator=g)
+    s = (torch.rand(n, device="cuda", generator=g) + 0.5) * (0.05 / 127)
+    return w, s
+
+
+def _layer_inputs(m, h, inter, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = (torch.randn(m, h, device="cuda", generator=g) * 2).to(torch.bfloat16)
+    r = (torch.randn(m, h, device="cuda", generator=g) * 2).to(torch.bfloat16)
+    n1 = (torch.rand(h, device="cuda", generator=g) + 0.5).to(torch.bfloat16)
+    n2 = (torch.rand(h, device="cuda", generator=g) + 0.5).to(torch.bfloat16)
+    return x, r, n1, n2, _weights(2 * inter, h, g), _weights(h, inter, g)
+
+
+def _mlp_chain(x, r, n1, n2, gate_up, down):
+    """add + norm + quant -> GEMV -> SiLU-and-mul + quant -> GEMV -> add + norm + quant (r in
+    place twice) -> norm + quant: every kernel reads what the one before it wrote."""
+    q1, s1 = qops.fused_add_rms_norm_quant(x, r, n1, 1e-5)
+    gu = qops.w8a8_gemm(q1, gate_up[0], s1, gate_up[1], torch.bfloat16)
+    q2, s2 = qops.silu_and_mul_quant(gu)
+    d = qops.w8a8_gemm(q2, down[0], s2, down[1], torch.bfloat16)
+    q3, s3 = qops.fused_add_rms_norm_quant(d, r, n2, 1e-5)
+    q4, s4 = qops.rms_norm_quant(d, n1, 1e-5)
+    return [gu, q2, s2, d, q3, s3, q4, s4]
+
+
+@gpu
+@pytest.mark.parametrize("m", [1, 7, 16])
+def test_decode_mlp_chain_pdl_on_off_and_graph(monkeypatch, m):
+    _needs_gemm()
+    h, inter = 1024, 1408
+    x, r0, n1, n2, gate_up, down = _layer_inputs(m, h, inter, seed=m)
+
+    def run():
+        r = r0.clone()
+        outs = _mlp_chain(x, r, n1, n2, gate_up, down)
+        torch.cuda.synchronize()
+        return outs + [r]
+
+    monkeypatch.setenv("QOPS_PDL", "0")
+    want = run()
+    monkeypatch.setenv("QOPS_PDL", "1")
+    for _ in range(3):
+        for got, ref in zip(run(), want):
+            assert torch.equal(got, ref)
+    # in a CUDA graph (PDL edges between the kernels), replayed with a fresh residual
+    r = r0.clone()
+    _mlp_chain(x, r, n1, n2, gate_up, down)  # warm-up before capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        outs = _mlp_chain(x, r, n1, n2, gate_up, down)
+    for _ in range(2):
+        r.copy_(r0)
+        for o in outs:
+            o.zero_()
+        g.replay()
+        torch.cuda.synchronize()
+        for got, ref in zip(outs + [r], want):
+            assert torch.equal(got, ref)
+
+
+@gpu
+@pytest.mark.parametrize("variant", ["rowres", "pipelined"])
+def test_norm_chain_in_place_residual(monkeypatch, variant):
+    """Consecutive fused add + norm calls on one residual (as consecutive layers do): each reads the
+    residual the previous call wrote in place; PDL on and off give the same bits."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    monkeypatch.setenv("QOPS_NORM_VARIANT", variant)
+    t, h = 4099, 4096
+    g = torch.Generator(device="cuda").manual_seed(3)
+    xs = [(torch.randn(t, h, device="cuda", generator=g) * 2).to(torch.float16) for _ in range(4)]
+    r0 = (torch.randn(t, h, device="cuda", generator=g) * 2).to(torch.float16)
+    w = (torch.rand(h, device="cuda", generator=g) + 0.5).to(torch.float16)
+
+    def run():
+        r = r0.clone()
+        outs = [qops.fused_add_rms_norm_quant(x, r, w, 1e-6) for x in xs]
+        torch.cuda.synchronize()
+        return [t_ for pair in outs for t_ in pair] + [r]
+
+    monkeypatch.setenv("QOPS_PDL", "0")
+    want = run()
+    monkeypatch.setenv("QOPS_PDL", "1")
+    for got, ref in zip(run(), want):
+        assert torch.equal(got, ref)
