@@ -36,7 +36,7 @@ std::tuple<at::Tensor, at::Tensor> quant_per_token_cuda(const at::Tensor& input)
     using T = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
     check_launch(qops::quant_per_token<T>(static_cast<const T*>(input.data_ptr()), stride,
                                           out.data_ptr<int8_t>(), scales.data_ptr<float>(), rows,
-                                          cols, c10::cuda::getCurrentCUDAStream()),
+                                          cols, c10::cuda::getCurrentCUDAStream(), pdl_enabled()),
                  op);
   });
   return {out, scales};
@@ -58,7 +58,7 @@ at::Tensor quant_per_tensor_cuda(const at::Tensor& input, const at::Tensor& scal
     using T = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
     check_launch(qops::quant_per_tensor<T>(static_cast<const T*>(input.data_ptr()), stride,
                                            out.data_ptr<int8_t>(), scale.data_ptr<float>(), rows,
-                                           cols, c10::cuda::getCurrentCUDAStream()),
+                                           cols, c10::cuda::getCurrentCUDAStream(), pdl_enabled()),
                  op);
   });
   return out;

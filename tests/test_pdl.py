@@ -1,6 +1,6 @@
 """Programmatic dependent launch across qops kernels (csrc/common/cuda_utils.cuh).
 
-The norm, activation, decode-GEMV and split decode-attention kernels launch with programmatic
+The norm, activation, quant, decode-GEMV and split decode-attention kernels launch with programmatic
 stream serialization and release the next kernel early, so a kernel can be dispatched while the
 one before it still runs. Each must wait (pdl_wait) before touching memory its predecessor writes.
 These tests chain the kernels the way a decode layer does -- each reading what the previous one
@@ -41,14 +41,18 @@ def _layer_inputs(m, h, inter, seed):
 
 def _mlp_chain(x, r, n1, n2, gate_up, down):
     """add + norm + quant -> GEMV -> SiLU-and-mul + quant -> GEMV -> add + norm + quant (r in
-    place twice) -> norm + quant: every kernel reads what the one before it wrote."""
+    place twice) -> norm + quant, and per-token quant -> GEMV (as after attention): every kernel
+    reads what the one before it wrote."""
     q1, s1 = qops.fused_add_rms_norm_quant(x, r, n1, 1e-5)
     gu = qops.w8a8_gemm(q1, gate_up[0], s1, gate_up[1], torch.bfloat16)
     q2, s2 = qops.silu_and_mul_quant(gu)
     d = qops.w8a8_gemm(q2, down[0], s2, down[1], torch.bfloat16)
     q3, s3 = qops.fused_add_rms_norm_quant(d, r, n2, 1e-5)
     q4, s4 = qops.rms_norm_quant(d, n1, 1e-5)
-    return [gu, q2, s2, d, q3, s3, q4, s4]
+    q5, s5 = qops.quant_per_token(d)
+    h = d.shape[1]
+    e = qops.w8a8_gemm(q5, gate_up[0][:h], s5, gate_up[1][:h], torch.bfloat16)
+    return [gu, q2, s2, d, q3, s3, q4, s4, q5, s5, e]
 
 
 @gpu

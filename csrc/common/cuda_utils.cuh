@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <utility>
 
 namespace qops {
 
@@ -35,6 +36,19 @@ inline void append_pdl_attribute(cudaLaunchConfig_t* cfg, cudaLaunchAttribute* a
   cudaLaunchAttribute& a = attrs[cfg->numAttrs++];
   a.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   a.val.programmaticStreamSerializationAllowed = 1;
+}
+
+// kernel<<<grid, block, 0, stream>>>(args...), with programmatic dependent launch when `pdl`.
+template <typename... KernelArgs, typename... Args>
+cudaError_t launch_kernel(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, cudaStream_t stream,
+                          bool pdl, Args&&... args) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  if (pdl) append_pdl_attribute(&cfg, attr);
+  return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
 }
 
 template <typename T>

@@ -24,6 +24,8 @@ __global__ void __launch_bounds__(512) quant_per_token_vec_kernel(const T* __res
   constexpr int E = 16 / sizeof(T);
   using Chunk = typename Int8Chunk<E>::type;
   __shared__ float smem[32];
+  pdl_wait();  // the previous kernel may write `in` (common/cuda_utils.cuh)
+  pdl_launch_dependents();
   const int64_t row = blockIdx.x;
   const uint4* row_in = reinterpret_cast<const uint4*>(in + row * in_row_stride);
   const int64_t nvec = cols / E;
@@ -62,6 +64,8 @@ __global__ void quant_per_token_scalar_kernel(const T* __restrict__ in, int64_t 
                                               int8_t* __restrict__ out,
                                               float* __restrict__ scales, int64_t cols) {
   __shared__ float smem[32];
+  pdl_wait();
+  pdl_launch_dependents();
   const int64_t row = blockIdx.x;
   const T* row_in = in + row * in_row_stride;
   float amax = 0.0f;
@@ -78,6 +82,8 @@ __global__ void quant_per_tensor_kernel(const T* __restrict__ in, int64_t in_row
                                         int8_t* __restrict__ out,
                                         const float* __restrict__ scale_ptr, int64_t cols) {
   constexpr int E = kVec ? 16 / sizeof(T) : 1;
+  pdl_wait();
+  pdl_launch_dependents();
   const float scale = *scale_ptr;
   const int64_t row = blockIdx.y;
   const T* row_in = in + row * in_row_stride;
@@ -103,17 +109,17 @@ inline int round_up_warp(int64_t n) { return int((n + 31) / 32 * 32); }
 
 template <typename T, int VPT>
 cudaError_t launch_token_vec(const T* in, int64_t stride, int8_t* out, float* scales,
-                             int64_t rows, int64_t cols, int threads, cudaStream_t stream) {
-  quant_per_token_vec_kernel<T, VPT><<<dim3(rows), threads, 0, stream>>>(in, stride, out, scales,
-                                                                         cols);
-  return cudaGetLastError();
+                             int64_t rows, int64_t cols, int threads, cudaStream_t stream,
+                             bool pdl) {
+  return launch_kernel(quant_per_token_vec_kernel<T, VPT>, dim3(rows), dim3(threads), stream, pdl,
+                       in, stride, out, scales, cols);
 }
 
 }  // namespace
 
 template <typename T>
 cudaError_t quant_per_token(const T* in, int64_t in_row_stride, int8_t* out, float* scales,
-                            int64_t rows, int64_t cols, cudaStream_t stream) {
+                            int64_t rows, int64_t cols, cudaStream_t stream, bool pdl) {
   if (rows == 0 || cols == 0) return cudaSuccess;
   if (rows > 0x7fffffff) return cudaErrorInvalidValue;
   constexpr int E = 16 / sizeof(T);
@@ -122,21 +128,20 @@ cudaError_t quant_per_token(const T* in, int64_t in_row_stride, int8_t* out, flo
   if (vec) {
     // Smallest vectors-per-thread that covers the row with <= 256 threads (<= 512 for rows
     // longer than 2048 vectors), so short rows (decode) still get a full CTA of lanes.
-    if (nvec <= 256 * 1) return launch_token_vec<T, 1>(in, in_row_stride, out, scales, rows, cols, round_up_warp(nvec), stream);
-    if (nvec <= 256 * 2) return launch_token_vec<T, 2>(in, in_row_stride, out, scales, rows, cols, round_up_warp((nvec + 1) / 2), stream);
-    if (nvec <= 256 * 4) return launch_token_vec<T, 4>(in, in_row_stride, out, scales, rows, cols, round_up_warp((nvec + 3) / 4), stream);
-    if (nvec <= 256 * 8) return launch_token_vec<T, 8>(in, in_row_stride, out, scales, rows, cols, round_up_warp((nvec + 7) / 8), stream);
-    if (nvec <= 512 * 16) return launch_token_vec<T, 16>(in, in_row_stride, out, scales, rows, cols, round_up_warp((nvec + 15) / 16), stream);
+    if (nvec <= 256 * 1) return launch_token_vec<T, 1>(in, in_row_stride, out, scales, rows, cols, round_up_warp(nvec), stream, pdl);
+    if (nvec <= 256 * 2) return launch_token_vec<T, 2>(in, in_row_stride, out, scales, rows, cols, round_up_warp((nvec + 1) / 2), stream, pdl);
+    if (nvec <= 256 * 4) return launch_token_vec<T, 4>(in, in_row_stride, out, scales, rows, cols, round_up_warp((nvec + 3) / 4), stream, pdl);
+    if (nvec <= 256 * 8) return launch_token_vec<T, 8>(in, in_row_stride, out, scales, rows, cols, round_up_warp((nvec + 7) / 8), stream, pdl);
+    if (nvec <= 512 * 16) return launch_token_vec<T, 16>(in, in_row_stride, out, scales, rows, cols, round_up_warp((nvec + 15) / 16), stream, pdl);
   }
   const int threads = cols >= 1024 ? 1024 : round_up_warp(cols);
-  quant_per_token_scalar_kernel<T><<<dim3(rows), threads, 0, stream>>>(in, in_row_stride, out,
-                                                                       scales, cols);
-  return cudaGetLastError();
+  return launch_kernel(quant_per_token_scalar_kernel<T>, dim3(rows), dim3(threads), stream, pdl,
+                       in, in_row_stride, out, scales, cols);
 }
 
 template <typename T>
 cudaError_t quant_per_tensor(const T* in, int64_t in_row_stride, int8_t* out, const float* scale,
-                             int64_t rows, int64_t cols, cudaStream_t stream) {
+                             int64_t rows, int64_t cols, cudaStream_t stream, bool pdl) {
   if (rows == 0 || cols == 0) return cudaSuccess;
   if (rows > 65535 * 1024LL) return cudaErrorInvalidValue;
   constexpr int E = 16 / sizeof(T);
@@ -148,13 +153,10 @@ cudaError_t quant_per_tensor(const T* in, int64_t in_row_stride, int8_t* out, co
   for (int64_t r0 = 0; r0 < rows; r0 += 65535) {
     const int64_t nr = rows - r0 < 65535 ? rows - r0 : 65535;
     const dim3 grid(unsigned(blocks_x < 1024 ? blocks_x : 1024), unsigned(nr));
-    if (vec)
-      quant_per_tensor_kernel<T, true><<<grid, threads, 0, stream>>>(
-          in + r0 * in_row_stride, in_row_stride, out + r0 * cols, scale, cols);
-    else
-      quant_per_tensor_kernel<T, false><<<grid, threads, 0, stream>>>(
-          in + r0 * in_row_stride, in_row_stride, out + r0 * cols, scale, cols);
-    cudaError_t err = cudaGetLastError();
+    auto kernel = vec ? quant_per_tensor_kernel<T, true> : quant_per_tensor_kernel<T, false>;
+    cudaError_t err = launch_kernel(kernel, grid, dim3(threads), stream, pdl,
+                                    in + r0 * in_row_stride, in_row_stride, out + r0 * cols, scale,
+                                    cols);
     if (err != cudaSuccess) return err;
   }
   return cudaSuccess;
@@ -162,9 +164,9 @@ cudaError_t quant_per_tensor(const T* in, int64_t in_row_stride, int8_t* out, co
 
 #define QOPS_INSTANTIATE_QUANT(T)                                                              \
   template cudaError_t quant_per_token<T>(const T*, int64_t, int8_t*, float*, int64_t, int64_t, \
-                                          cudaStream_t);                                       \
+                                          cudaStream_t, bool);                                 \
   template cudaError_t quant_per_tensor<T>(const T*, int64_t, int8_t*, const float*, int64_t,   \
-                                           int64_t, cudaStream_t);
+                                           int64_t, cudaStream_t, bool);
 QOPS_INSTANTIATE_QUANT(float)
 QOPS_INSTANTIATE_QUANT(__half)
 QOPS_INSTANTIATE_QUANT(__nv_bfloat16)
