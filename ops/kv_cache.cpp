@@ -108,6 +108,7 @@ void reshape_and_cache_int8_cuda(const at::Tensor& key, const at::Tensor& value,
   p.block_size = static_cast<int>(k_cache.size(2));
   p.num_blocks = static_cast<int>(k_cache.size(0));
   p.bf16 = key.scalar_type() == at::kBFloat16;
+  p.no_pdl = !pdl_enabled();  // QOPS_PDL=0
   check_launch(qops::kv_cache::reshape_and_cache_int8(p, c10::cuda::getCurrentCUDAStream()), op);
 }
 

@@ -116,3 +116,61 @@ def test_norm_chain_in_place_residual(monkeypatch, variant):
     monkeypatch.setenv("QOPS_PDL", "1")
     for got, ref in zip(run(), want):
         assert torch.equal(got, ref)
+
+
+@gpu
+@pytest.mark.parametrize("num_splits", [4, 1])
+def test_decode_attention_chain(monkeypatch, num_splits):
+    """Cache write of the new token -> split decode attention (reads that token) -> per-token quant
+    of its output -> GEMV, PDL on and off, eagerly and replayed from a CUDA graph."""
+    _needs_gemm()
+    B, HQ, HKV, D, bs, L = 3, 8, 2, 128, 16, 600
+    blocks_per_seq = (L + bs - 1) // bs
+    g = torch.Generator(device="cuda").manual_seed(7)
+    nb = B * blocks_per_seq + 2
+    k_cache = torch.zeros(nb, HKV, bs, D, dtype=torch.int8, device="cuda")
+    v_cache = torch.zeros_like(k_cache)
+    k_scales = torch.zeros(nb, HKV, bs, device="cuda")
+    v_scales = torch.zeros_like(k_scales)
+    perm = torch.randperm(nb, generator=g, device="cuda")[: B * blocks_per_seq]
+    block_tables = perm.view(B, blocks_per_seq).to(torch.int32)
+    seq_lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
+    pos = torch.arange(L, device="cuda")
+    slots = (block_tables[:, pos // bs].long() * bs + pos % bs)  # [B, L]
+    kv = lambda n: (torch.randn(n, HKV, D, device="cuda", generator=g) * 2).to(torch.bfloat16)  # noqa: E731
+    monkeypatch.setenv("QOPS_PDL", "0")
+    qops.reshape_and_cache_int8(kv(B * L), kv(B * L), k_cache, v_cache, k_scales, v_scales,
+                                slots.reshape(-1))  # the context
+    new_k, new_v, new_slots = kv(B), kv(B), slots[:, L - 1].contiguous()
+    q = (torch.randn(B, HQ, D, device="cuda", generator=g) * 1.5).to(torch.bfloat16)
+    w, ws = _weights(256, HQ * D, g)
+
+    def chain():
+        qops.reshape_and_cache_int8(new_k, new_v, k_cache, v_cache, k_scales, v_scales, new_slots)
+        out = qops.paged_decode_attention_int8(q, k_cache, v_cache, k_scales, v_scales,
+                                               block_tables, seq_lens, num_splits=num_splits)
+        qa, sa = qops.quant_per_token(out.view(B, HQ * D))
+        return [out, qa, sa, qops.w8a8_gemm(qa, w, sa, ws, torch.bfloat16)]
+
+    def run():
+        k_cache[block_tables[:, -1].long()] = 0  # the new token's slot must be written again
+        outs = chain()
+        torch.cuda.synchronize()
+        return outs
+
+    want = run()
+    monkeypatch.setenv("QOPS_PDL", "1")
+    for _ in range(3):
+        for got, ref in zip(run(), want):
+            assert torch.equal(got, ref)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = chain()
+    k_cache[block_tables[:, -1].long()] = 0
+    for o in outs:
+        o.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, ref in zip(outs, want):
+        assert torch.equal(got, ref)

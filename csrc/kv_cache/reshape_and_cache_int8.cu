@@ -65,6 +65,8 @@ __device__ __forceinline__ float group_amax(const float (&x)[kElems]) {
 
 template <typename T, int LPR, bool kAligned, bool kStatic>
 __global__ void __launch_bounds__(kThreads) reshape_and_cache_int8_kernel(ReshapeAndCacheInt8Params p) {
+  pdl_wait();  // the previous kernel may write the keys, values, slots (common/cuda_utils.cuh)
+  pdl_launch_dependents();
   const int lane_in_row = threadIdx.x % LPR;
   const int64_t row = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) / LPR;
   const int64_t num_rows = static_cast<int64_t>(p.num_tokens) * p.num_heads;
@@ -131,15 +133,11 @@ cudaError_t launch(const ReshapeAndCacheInt8Params& p, bool aligned, cudaStream_
   const int64_t blocks = (rows + rows_per_block - 1) / rows_per_block;
   if (blocks > 0x7fffffffLL) return cudaErrorInvalidConfiguration;
   dim3 grid(static_cast<unsigned>(blocks));
-#define QOPS_RC_LAUNCH(A, S) \
-  reshape_and_cache_int8_kernel<T, LPR, A, S><<<grid, kThreads, 0, stream>>>(p)
-  if (aligned) {
-    if (p.static_scales) QOPS_RC_LAUNCH(true, true); else QOPS_RC_LAUNCH(true, false);
-  } else {
-    if (p.static_scales) QOPS_RC_LAUNCH(false, true); else QOPS_RC_LAUNCH(false, false);
-  }
-#undef QOPS_RC_LAUNCH
-  return cudaGetLastError();
+  auto kernel = aligned ? (p.static_scales ? reshape_and_cache_int8_kernel<T, LPR, true, true>
+                                           : reshape_and_cache_int8_kernel<T, LPR, true, false>)
+                        : (p.static_scales ? reshape_and_cache_int8_kernel<T, LPR, false, true>
+                                           : reshape_and_cache_int8_kernel<T, LPR, false, false>);
+  return launch_kernel(kernel, grid, dim3(kThreads), stream, !p.no_pdl, p);
 }
 
 template <typename T>
