@@ -266,6 +266,33 @@ __device__ __forceinline__ void pipe_store(int8_t* o, const float (&pz)[NV][8], 
   }
 }
 
+// pipe_store's exact-division path (scales outside RowQuant's fast range: rows with +-Inf or
+// extreme static scales) with the division out of line. Inlined, its ~14 instructions and
+// slow-path call per element made a ~690-instruction block that ptxas placed inside the row loop,
+// between the reduction and the fast path (ncu, 4096 x 4096: 3.5 "no instruction" stall cycles
+// per issued instruction). Same quotient as quant_one<false>.
+__device__ __noinline__ uint32_t quant_div_exact(float y, float s) {
+  return fq::cvt_s8(__fdiv_rn(y, s));
+}
+
+template <int NV, bool kFull>
+__device__ __forceinline__ void pipe_store_exact(int8_t* o, const float (&pz)[NV][8], int nvec,
+                                                 int tid, int tpr, float rstd, float s) {
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    if (kFull || tid + k * tpr < nvec) {
+      uint32_t w[2];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        w[i] = 0;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) w[i] |= quant_div_exact(pz[k][4 * i + j] * rstd, s) << (8 * j);
+      }
+      *reinterpret_cast<uint2*>(o + k * tpr * 8) = make_uint2(w[0], w[1]);
+    }
+  }
+}
+
 // The rows of one row group (see above). kFull: every thread owns NV vectors (nvec == NV * tpr).
 template <typename T, int NV, int S, bool kRes, bool kDyn, bool kFull>
 __device__ __forceinline__ void pipe_rows(const NormParams& p, uint4* ring_base,
@@ -422,7 +449,7 @@ __device__ __forceinline__ void pipe_rows(const NormParams& p, uint4* ring_base,
     if (qz.fast)
       pipe_store<NV, kFull, true, !kDyn>(o, pz, nvec, tid, tpr, rstd, qz);
     else
-      pipe_store<NV, kFull, false, true>(o, pz, nvec, tid, tpr, rstd, qz);
+      pipe_store_exact<NV, kFull>(o, pz, nvec, tid, tpr, rstd, s);
   }
   fq::cp_async_wait<0>();  // nothing is in flight past the last row; kept as a guard
 }
