@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 
 import qops
-from qops.bench_utils import (bench_us, copy_bandwidth_gbps, env_vars, line_grid_plot, l2_rotation_sets,
-                              print_table, write_csv)
+from qops.bench_utils import (bench_interleaved_us, bench_us, copy_bandwidth_gbps, env_vars, line_grid_plot,
+                              l2_rotation_sets, print_table, write_csv)
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "cutlass_kernels"))
 import w8a8_configs as table
@@ -67,46 +67,53 @@ def time_ours(m, n, k, config="auto"):
     return bench_us(make, n_sets)
 
 
-def time_epilogue(m, n, k, *, per_tensor: bool, bias: bool, out_dtype: torch.dtype):
-    """One epilogue variant of w8a8_gemm (auto config): scales [1] x [1] or [M] x [N], optional bias."""
-    n_sets = l2_rotation_sets(m * k + n * k + 2 * m * n)
-
-    def make(i):
-        a, b = _int8(m, k), _int8(n, k)
-        sa = torch.rand(1 if per_tensor else m, device="cuda") * 0.02
-        sb = torch.rand(1 if per_tensor else n, device="cuda") * 1e-3
-        bb = torch.randn(n, device="cuda", dtype=out_dtype) if bias else None
-        return lambda: qops.w8a8_gemm(a, b, sa, sb, out_dtype, bb)
-
-    return bench_us(make, n_sets)
-
-
-EPILOGUES = {  # name -> time_epilogue keyword arguments
-    "tensor_bf16": dict(per_tensor=True, bias=False, out_dtype=torch.bfloat16),
-    "token_bf16": dict(per_tensor=False, bias=False, out_dtype=torch.bfloat16),
-    "token_bias_bf16": dict(per_tensor=False, bias=True, out_dtype=torch.bfloat16),
-    "token_fp16": dict(per_tensor=False, bias=False, out_dtype=torch.float16),
-    "tensor_bias_fp16": dict(per_tensor=True, bias=True, out_dtype=torch.float16),
+EPILOGUES = {  # name -> (per-tensor scales, bias, out dtype)
+    "tensor_bf16": (True, False, torch.bfloat16),
+    "token_bf16": (False, False, torch.bfloat16),
+    "token_bias_bf16": (False, True, torch.bfloat16),
+    "token_fp16": (False, False, torch.float16),
+    "tensor_bias_fp16": (True, True, torch.float16),
 }
 
 
-def run_epilogues(layers, tokens, out_dir, rounds: int = 3) -> None:
+def time_epilogues(m, n, k) -> dict:
+    """Every epilogue variant of w8a8_gemm (auto config) on the same int8 operands, timed
+    interleaved (`bench_interleaved_us`): scales [1] x [1] or [M] x [N], optional bias."""
+    n_sets = l2_rotation_sets(m * k + n * k + 2 * m * n)
+    sets = []
+    for _ in range(n_sets):
+        sets.append(dict(a=_int8(m, k), b=_int8(n, k),
+                         sa={True: torch.rand(1, device="cuda") * 0.02, False: torch.rand(m, device="cuda") * 0.02},
+                         sb={True: torch.rand(1, device="cuda") * 1e-3, False: torch.rand(n, device="cuda") * 1e-3},
+                         bias={dt: torch.randn(n, device="cuda", dtype=dt) for dt in (torch.float16, torch.bfloat16)}))
+
+    def maker(per_tensor, bias, out_dtype):
+        def make(i):
+            s = sets[i]
+            bb = s["bias"][out_dtype] if bias else None
+            return lambda: qops.w8a8_gemm(s["a"], s["b"], s["sa"][per_tensor], s["sb"][per_tensor], out_dtype, bb)
+        return make
+
+    return bench_interleaved_us({name: maker(*v) for name, v in EPILOGUES.items()}, n_sets)
+
+
+def run_epilogues(layers, tokens, out_dir) -> None:
     """Epilogue variants against each other; ratios are each variant's time over per-tensor's.
-    The variants are timed round-robin `rounds` times and each keeps its fastest median, so that
-    clock and temperature drift during the run does not masquerade as an epilogue cost."""
+    The variants share their operands and are timed interleaved, replay by replay, so that the
+    GPU's clock and temperature drift (a large int8 GEMM throttles within milliseconds) does not
+    masquerade as an epilogue cost."""
     rows = []
     for layer, n, k in layers:
         for m in tokens:
-            us = {name: math.inf for name in EPILOGUES}
-            for _ in range(rounds):
-                for name, kw in EPILOGUES.items():
-                    us[name] = min(us[name], time_epilogue(m, n, k, **kw))
+            us = time_epilogues(m, n, k)
             r = {"layer": layer, "M": m, "N": n, "K": k}
             r.update({f"{name}_us": t for name, t in us.items()})
             r["token_over_tensor"] = us["token_bf16"] / us["tensor_bf16"]
             r["bias_over_token"] = us["token_bias_bf16"] / us["token_bf16"]
             r["fp16_over_bf16"] = us["token_fp16"] / us["token_bf16"]
             rows.append(r)
+            print(f"{layer:16s} M={m:5d}: per-tensor {us['tensor_bf16']:8.1f} us, per-token x per-channel "
+                  f"{us['token_bf16']:8.1f} us ({r['token_over_tensor']:.3f}x)", flush=True)
     write_csv(rows, os.path.join(out_dir, "bench_w8a8_epilogues.csv"))
     print("\n== epilogues (us per call; ratios > 1: the variant is slower)")
     print_table(rows, ["layer", "M", *[f"{n}_us" for n in EPILOGUES], "token_over_tensor", "bias_over_token",

@@ -26,6 +26,40 @@ def l2_rotation_sets(bytes_per_set: int, min_sets: int = 2, max_sets: int = 32) 
     return int(max(min_sets, min(max_sets, n)))
 
 
+def _runner(make_call: Callable[[int], Callable[[], object]], n_sets: int, use_graph: bool):
+    """The warmed-up calls of ``n_sets`` input sets as one zero-argument runner (a CUDA graph
+    replay when ``use_graph``) and the number of calls it makes."""
+    calls = [make_call(i) for i in range(n_sets)]
+    for c in calls:  # warm up (module load, autotuning, allocator)
+        c()
+    torch.cuda.synchronize()
+    if not use_graph:
+        def run():
+            for c in calls:
+                c()
+        return run, len(calls)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for c in calls:
+            c()
+    torch.cuda.current_stream().wait_stream(stream)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in calls:
+            c()
+    return g.replay, len(calls)
+
+
+def _time_us(run: Callable[[], object], ncalls: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    run()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1000.0 / ncalls
+
+
 def bench_us(
     make_call: Callable[[int], Callable[[], object]],
     n_sets: int = 4,
@@ -36,41 +70,32 @@ def bench_us(
 ) -> float:
     """Median microseconds per call. ``make_call(i)`` returns a zero-argument callable running the
     op on input set ``i`` (allocate the inputs inside ``make_call``, outside the timed region)."""
-    calls = [make_call(i) for i in range(n_sets)]
-    for c in calls:  # warm up (module load, autotuning, allocator)
-        c()
-    torch.cuda.synchronize()
-    if use_graph:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for c in calls:
-                c()
-        torch.cuda.current_stream().wait_stream(stream)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for c in calls:
-                c()
-
-        def run():
-            g.replay()
-    else:
-
-        def run():
-            for c in calls:
-                c()
-
+    run, ncalls = _runner(make_call, n_sets, use_graph)
     for _ in range(warmup):
         run()
-    times = []
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    return statistics.median(_time_us(run, ncalls) for _ in range(replays))
+
+
+def bench_interleaved_us(
+    makers: dict[str, Callable[[int], Callable[[], object]]],
+    n_sets: int = 4,
+    *,
+    replays: int = 50,
+    warmup: int = 5,
+) -> dict[str, float]:
+    """Median microseconds per call of several variants of one problem, timed interleaved: every
+    replay round replays each variant's CUDA graph once, in turn. Variants timed one after the
+    other drift apart with the GPU's clock and temperature (a compute-bound GEMM throttles within
+    milliseconds), by more than the few percent being compared; interleaved, they share them."""
+    runners = {name: _runner(make, n_sets, True) for name, make in makers.items()}
+    for _ in range(warmup):
+        for run, _n in runners.values():
+            run()
+    times: dict[str, list[float]] = {name: [] for name in runners}
     for _ in range(replays):
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0 / len(calls))
-    return statistics.median(times)
+        for name, (run, ncalls) in runners.items():
+            times[name].append(_time_us(run, ncalls))
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 _copy_gbps: float | None = None
