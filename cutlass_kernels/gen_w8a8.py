@@ -104,24 +104,6 @@ def _emit_kernel(cutlass, cfg: table.TileConfig, out_dtype: str, scale_mode: str
 
 _LEAVES = {"Sm90AccFetch", "Sm90ScalarBroadcast", "Sm90RowBroadcast", "Sm90ColBroadcast"}
 
-# CUTLASS 4.2's row / column broadcasts load their vectors at the start of every tile's epilogue;
-# csrc/gemm/sm90_vector_broadcast.h has drop-in nodes (same Arguments; the CTA tile and epilogue
-# subtile instead of the stage count and the descriptor's (cluster) tile) whose vectors the
-# epilogue's producer-load warp loads ahead of time.
-_VECTOR_BROADCAST = re.compile(
-    r"cutlass::epilogue::fusion::Sm90(Row|Col)Broadcast<\s*0 /\*Stages\*/, typename EpilogueDescriptor::TileShape,")
-
-
-def _pipeline_vector_broadcasts(source: str, cta: tuple[int, int, int]) -> str:
-    """The emitted kernel with its row / column broadcast nodes replaced by the pipelined ones."""
-    tile = "cute::Shape<" + ", ".join(f"cute::_{x}" for x in cta) + ">"
-    out = _VECTOR_BROADCAST.sub(
-        rf"qops::cutlass_ext::Sm90\1BroadcastPipelined<\n    {tile}, typename EpilogueDescriptor::EpilogueTile,",
-        source)
-    if re.search(r"Sm90(Row|Col)Broadcast<", out):
-        raise RuntimeError("an emitted row / column broadcast was not replaced (cutlass_cppgen changed?)")
-    return out
-
 
 def _evt_arguments(source: str, bias_type: str) -> str:
     """The C++ initializer of the emitted EVT's arguments, derived from the emitted tree.
@@ -170,7 +152,6 @@ _KERNEL_TEMPLATE = """\
 #include "cutlass/gemm/device/gemm_universal_adapter.h"
 #include "cutlass/util/packed_stride.hpp"
 
-#include "gemm/sm90_vector_broadcast.h"
 #include "gemm/w8a8_sm90.h"
 
 namespace {namespace} {{
@@ -466,8 +447,7 @@ def generate(nvcc_version: str) -> dict[str, str]:
                 kernel, operation = _emit_kernel(cutlass, cfg, out_dtype, scale_mode)
                 files[f"w8a8_{tag}.cu"] = _KERNEL_TEMPLATE.format(
                     config=cfg.name, out_dtype=out_dtype, scale_mode=scale_mode,
-                    includes=includes, namespace=f"qops_gen_{function}",
-                    kernel=_pipeline_vector_broadcasts(kernel, cfg.cta).strip("\n"),
+                    includes=includes, namespace=f"qops_gen_{function}", kernel=kernel.strip("\n"),
                     operation=operation, function=function,
                     evt_arguments=_evt_arguments(kernel, _DTYPES[out_dtype][1]))
                 declarations.append(f"cudaError_t {function}(const Problem&, int, cudaStream_t, size_t*);")

@@ -30,7 +30,7 @@ struct Problem {
   int64_t ldb;
   const float* a_scale;  // see ScaleMode; 16-byte aligned
   const float* b_scale;
-  const void* bias;      // [n] in the output dtype, or nullptr (no bias); 4-byte aligned
+  const void* bias;      // [n] in the output dtype, or nullptr (no bias)
   void* d;               // [m, n], row stride ldd; 16-byte aligned, ldd % 8 == 0
   int64_t ldd;
   int m, n, k;           // k % 16 == 0, n % 8 == 0

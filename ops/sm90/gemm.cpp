@@ -115,10 +115,6 @@ at::Tensor w8a8_gemm_cuda(const at::Tensor& a, const at::Tensor& b, const at::Te
                      "], got shape ", bias->sizes());
     check_contiguous(*bias, kOp, "bias");
   }
-  // The epilogue copies the bias in 4-byte pieces (gemm/sm90_vector_broadcast.h): a bias sliced
-  // at an odd element is copied, as the scales are.
-  at::Tensor bias_t;
-  if (bias.has_value()) bias_t = aligned16(bias->data_ptr()) ? *bias : bias->clone();
   const int cfg = config_index(config);
   if (cfg >= 0 && w8a8::config_max_m(cfg) > 0) {
     QOPS_CHECK_VALUE(M <= w8a8::config_max_m(cfg), kOp, "config '", std::string(config),
@@ -145,7 +141,7 @@ at::Tensor w8a8_gemm_cuda(const at::Tensor& a, const at::Tensor& b, const at::Te
   p.ldb = N > 1 ? b.stride(0) : K;
   p.a_scale = sa.data_ptr<float>();
   p.b_scale = sb.data_ptr<float>();
-  p.bias = bias_t.defined() ? bias_t.data_ptr() : nullptr;
+  p.bias = bias.has_value() ? bias->data_ptr() : nullptr;
   p.d = d.data_ptr();
   p.ldd = N;
   p.m = static_cast<int>(M);
