@@ -66,17 +66,18 @@ def loop_reference(q, k_cache, v_cache, k_scales, v_scales, block_tables, seq_le
 
 
 def make_cache(seq_lens, HKV, D, block_size, *, static=False, device="cpu", seed=0, spare_blocks=3,
-               kv_dtype=torch.float16):
+               kv_dtype=torch.float16, table_slack=1):
     """Random K/V for each sequence written through reshape_and_cache_int8 into shuffled blocks.
     Returns (k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens, k_fp, v_fp) where
-    k_fp/v_fp are the unquantized per-sequence K/V lists (for the quantization-error check)."""
+    k_fp/v_fp are the unquantized per-sequence K/V lists (for the quantization-error check).
+    ``table_slack``: block-table columns beyond the longest sequence's blocks (filled with -1)."""
     g = torch.Generator().manual_seed(seed)
     B = len(seq_lens)
     nblk = [-(-L // block_size) for L in seq_lens]
     num_blocks = sum(nblk) + spare_blocks
     perm = torch.randperm(num_blocks, generator=g).tolist()
-    max_blocks = max(nblk + [1]) + 1
-    block_tables = torch.full((B, max_blocks), -1, dtype=torch.int32)  # -1: past the end, never read
+    max_blocks = max(nblk + [1]) + table_slack
+    block_tables = torch.full((B, max_blocks), -1, dtype=torch.int32)  # -1: past the end, never used
     k_fp, v_fp, slots = [], [], []
     for b, L in enumerate(seq_lens):
         blocks = [perm.pop() for _ in range(nblk[b])]
@@ -203,10 +204,11 @@ def test_bad_inputs(over, match):
 
 
 # ---- GPU: the CUDA kernel -------------------------------------------------------------------------
-def _gpu_inputs(lens, HQ, HKV, D, block_size, *, dtype, static, alibi, seed):
+def _gpu_inputs(lens, HQ, HKV, D, block_size, *, dtype, static, alibi, seed, table_slack=1):
     """A random cache and query: (CPU tensors, their CUDA copies, sm_scale, CPU/CUDA slopes)."""
     k_cache, v_cache, ks, vs, bt, sl, k_fp, v_fp = make_cache(lens, HKV, D, block_size, static=static,
-                                                              seed=seed, kv_dtype=dtype)
+                                                              seed=seed, kv_dtype=dtype,
+                                                              table_slack=table_slack)
     g = torch.Generator().manual_seed(seed + 1)
     q = (torch.randn(len(lens), HQ, D, generator=g) * 1.5).to(dtype)
     slopes = alibi_slopes(HQ) if alibi else None
@@ -225,9 +227,10 @@ def _check_against_reference(out, cpu, sm, slopes, dtype):
 
 
 def _gpu_case(lens, HQ, HKV, D, block_size, *, dtype=torch.float16, static=False, alibi=False,
-              num_splits=0, seed=0, check_quant_error=False):
+              num_splits=0, seed=0, check_quant_error=False, table_slack=1):
     cpu, (k_fp, v_fp), dev, sm, slopes, dslopes = _gpu_inputs(
-        lens, HQ, HKV, D, block_size, dtype=dtype, static=static, alibi=alibi, seed=seed)
+        lens, HQ, HKV, D, block_size, dtype=dtype, static=static, alibi=alibi, seed=seed,
+        table_slack=table_slack)
     q = cpu[0]
     out = qops.paged_decode_attention_int8(*dev, sm, dslopes, num_splits=num_splits).cpu()
     assert out.dtype == dtype and out.shape == q.shape
@@ -272,6 +275,18 @@ def test_gpu_small_alibi(HQ, HKV, D):
 @pytest.mark.parametrize("num_splits", [1, 2, 3, 7, 64])
 def test_gpu_small_num_splits(num_splits):
     out, _, _ = _gpu_case([0, 1, 15, 16, 17, 700], 8, 2, 128, 16, num_splits=num_splits, alibi=True)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("num_splits", [0, 2, 3, 7, 64])
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_gpu_small_tight_block_table(num_splits, block_size):
+    """A block table exactly as wide as the longest sequence needs: each warp's guess of its first
+    block-table entries (made from the table's width, before seq_len is read) is right for the
+    sequences that fill their row (704 tokens; 700 at block size 16) and wrong for the others."""
+    _gpu_case([700, 704, 33, 1, 0, 380], 8, 2, 128, block_size, num_splits=num_splits,
+              table_slack=0, seed=block_size)
 
 
 @pytest.mark.gpu

@@ -206,6 +206,21 @@ __global__ void __launch_bounds__(NW * 32, kMinBlocksPerSm<D, kTwoRows, NW>)
   const int rows = min(kRows, G - hg * 16);
   const int bs = p.block_size;
 
+  // The block ids of this warp's first 32 chunks, loaded before seq_len is known, so that the
+  // two loads overlap instead of being two dependent round trips ahead of the first K/V load.
+  // The split's chunk range depends on seq_len; this guesses it from the table's width, which
+  // is right for the sequences that fill their table row (the batch's longest when the table is
+  // as wide as needed: the ones on the critical path). A wrong guess is reloaded below. The
+  // entries read are inside the row but may lie past seq_len: they are only used for chunks
+  // below it.
+  const int32_t* bt_row = p.block_tables + b * p.bt_stride;
+  const int chunks_per_block_shift = __ffs(bs >> 4) - 1;  // bs / 16 is a power of two
+  const int max_chunks = (p.max_blocks * bs) >> 4;
+  const int c_begin_guess = split * ((max_chunks + p.num_splits - 1) / p.num_splits);
+  const int cc_guess = c_begin_guess + warp + lane * kWarps;
+  const int bt_guess =
+      cc_guess < max_chunks ? __ldg(bt_row + (cc_guess >> chunks_per_block_shift)) : 0;
+
   int L = p.seq_lens[b];
   L = max(0, min(L, p.max_blocks * bs));
   const int nchunks = (L + 15) >> 4;
@@ -293,8 +308,6 @@ __global__ void __launch_bounds__(NW * 32, kMinBlocksPerSm<D, kTwoRows, NW>)
 #pragma unroll
     for (int h = 0; h < NH; ++h) o[i][h][0] = o[i][h][1] = o[i][h][2] = o[i][h][3] = 0.f;
 
-  const int32_t* bt_row = p.block_tables + b * p.bt_stride;
-  const int chunks_per_block_shift = __ffs(bs >> 4) - 1;  // bs / 16 is a power of two
   int bt_cache = 0;
 
   unsigned char* my_pipe = smem + warp * S * Stage<D>::kBytes;
@@ -311,7 +324,11 @@ __global__ void __launch_bounds__(NW * 32, kMinBlocksPerSm<D, kTwoRows, NW>)
   auto issue = [&](int c, int idx, int st) {
     if ((idx & 31) == 0) {  // refill the lane-held block ids of this warp's next 32 chunks
       const int cc = c + lane * kWarps;
-      bt_cache = cc < c_end ? __ldg(bt_row + (cc >> chunks_per_block_shift)) : 0;
+      if (idx == 0 && c_begin == c_begin_guess) {
+        bt_cache = cc < c_end ? bt_guess : 0;  // cc == cc_guess
+      } else {
+        bt_cache = cc < c_end ? __ldg(bt_row + (cc >> chunks_per_block_shift)) : 0;
+      }
     }
     int blk = __shfl_sync(kFull, bt_cache, idx & 31);
     const bool ok = blk >= 0 && blk < p.num_blocks;

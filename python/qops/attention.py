@@ -165,7 +165,8 @@ def paged_decode_attention_int8(
         s[j] = sm_scale * (query[b, h].float() @ K[j]) + alibi_slopes[h] * (j - (L - 1))   # j < L
         out[b, h] = (softmax(s) @ V[:L]).to(query.dtype)                 # float32 throughout
 
-    ``seq_lens[b] == 0`` gives zeros. Block-table entries past a sequence's length are never read.
+    ``seq_lens[b] == 0`` gives zeros. Block-table entries past a sequence's length are never used
+    (the kernel may read them, inside ``block_tables``, before it knows the length).
 
     Args:
         query: float16 or bfloat16 ``[B, HQ, D]``, D in {64, 128}, last dimension contiguous.
