@@ -284,7 +284,8 @@ def test_gpu_small_num_splits(num_splits):
 def test_gpu_small_tight_block_table(num_splits, block_size):
     """A block table exactly as wide as the longest sequence needs: each warp's guess of its first
     block-table entries (made from the table's width, before seq_len is read) is right for the
-    sequences that fill their row (704 tokens; 700 at block size 16) and wrong for the others."""
+    sequences that fill their row (700 and 704 tokens: 44 chunks at either block size) and wrong
+    for the others, except in split 0, which starts at chunk 0 either way."""
     _gpu_case([700, 704, 33, 1, 0, 380], 8, 2, 128, block_size, num_splits=num_splits,
               table_slack=0, seed=block_size)
 
