@@ -215,8 +215,10 @@ __global__ void __launch_bounds__(NW * 32, kMinBlocksPerSm<D, kTwoRows, NW>)
   // below it.
   const int32_t* bt_row = p.block_tables + b * p.bt_stride;
   const int chunks_per_block_shift = __ffs(bs >> 4) - 1;  // bs / 16 is a power of two
+  // A split's share of a sequence of n chunks (the last split may get fewer).
+  auto chunks_per_split = [&](int n) { return (n + p.num_splits - 1) / p.num_splits; };
   const int max_chunks = (p.max_blocks * bs) >> 4;
-  const int c_begin_guess = split * ((max_chunks + p.num_splits - 1) / p.num_splits);
+  const int c_begin_guess = split * chunks_per_split(max_chunks);
   const int cc_guess = c_begin_guess + warp + lane * kWarps;
   const int bt_guess =
       cc_guess < max_chunks ? __ldg(bt_row + (cc_guess >> chunks_per_block_shift)) : 0;
@@ -224,7 +226,7 @@ __global__ void __launch_bounds__(NW * 32, kMinBlocksPerSm<D, kTwoRows, NW>)
   int L = p.seq_lens[b];
   L = max(0, min(L, p.max_blocks * bs));
   const int nchunks = (L + 15) >> 4;
-  const int per = (nchunks + p.num_splits - 1) / p.num_splits;
+  const int per = chunks_per_split(nchunks);
   const int c_begin = split * per;
   const int c_end = min(nchunks, c_begin + per);
 
