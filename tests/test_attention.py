@@ -344,6 +344,37 @@ def test_gpu_small_large_query_and_scales():
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_gpu_small_scales_that_move_along_the_context(dtype, num_splits):
+    """The kernel rescales its running output only when a chunk's score passes the running
+    reference by a margin, or a chunk's V scale needs a smaller P scale. Here the K scales grow
+    along each sequence (new score maxima, far past the margin, many times over), and the V scales
+    grow by 2^10 in one sequence, shrink by 2^10 in another and jump once in a third: both rescale
+    paths are taken mid-sequence, in every warp and split."""
+    lens = [700, 611, 900, 33]
+    HQ, HKV, D = 8, 2, 128
+    cpu, _, _, sm, _, _ = _gpu_inputs(lens, HQ, HKV, D, 16, dtype=dtype, static=False, alibi=False,
+                                      seed=7)
+    q, k_cache, v_cache, ks, vs, bt, sl = cpu
+    ks, vs = ks.clone(), vs.clone()
+    for b, L in enumerate(lens):
+        j = torch.arange(L)
+        blk, off = bt[b, j // 16].long(), j % 16
+        grow = torch.exp2(j.double() * 10 / L).float()
+        ks[blk, :, off] *= (1 + j.float() / 16)[:, None]
+        vs[blk, :, off] *= {0: grow, 1: 1 / grow, 2: torch.where(j >= L // 2, 600.0, 1.0),
+                            3: grow}[b][:, None]
+    cpu = (q, k_cache, v_cache, ks, vs, bt, sl)
+    out = qops.paged_decode_attention_int8(*(t.cuda() for t in cpu), sm, num_splits=num_splits)
+    ref = decode_attention_reference(*cpu, sm, dtype=torch.float64)
+    scale = ref.abs().amax(dim=-1, keepdim=True)  # per (sequence, head): the V scales differ a lot
+    tol = 1.5e-3 if dtype == torch.float16 else 8e-3
+    torch.testing.assert_close(out.cpu().double() / scale, ref / scale, atol=tol, rtol=tol)
+
+
+@pytest.mark.gpu
+@needs_cuda
 def test_gpu_small_poisoned_output_and_strided_query():
     lens = [33, 0, 5]
     k_cache, v_cache, ks, vs, bt, sl, _, _ = make_cache(lens, 2, 64, 16)

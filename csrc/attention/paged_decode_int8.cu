@@ -7,17 +7,21 @@
 //   writes the output; with several it writes (O / l, log2-sum-exp) to a workspace and either
 //   the last CTA of its (sequence, kv head, head group) merges the splits (fused, one launch:
 //   a per-group counter, see "the fused split merge" below) or a second kernel does.
-// - Per chunk, a warp computes S = Q K^T with mma.m16n8k16 (fp16 in, f32 accumulate): query heads
-//   in M (rows >= G are zero), tokens in N, head dim in K. int8 K converts exactly to fp16 (a
-//   byte-permute + one half2 subtract per 2 values); the head dim is permuted so that each thread's
-//   K bytes are two (D=64: one) contiguous 16-byte loads and Q is loaded with the same
-//   permutation. bf16 queries are scaled by a power of two into fp16 range (exact).
-// - S's accumulator fragment is exactly the B fragment of V^T P'^T (the FlashAttention-2 register
-//   reuse). P' = exp2(s - m) * v_scale, times a per-chunk power of two that keeps it in fp16
-//   range, is split into fp16 hi + lo parts and multiplied with int8 V converted exactly to fp16
-//   (three instructions per pair), f32 accumulation. V's output columns are permuted so that each
-//   thread loads 16 (D=64: 8) contiguous bytes of 4 token rows.
-// - Softmax in f32 in the log2 domain; per-token K scales multiply S, V scales multiply P.
+// - Per chunk, a warp computes S^T = K Q^T with mma.m16n8k16 (fp16 in, f32 accumulate): the
+//   chunk's 16 tokens in M, query heads in N (8 per n-tile; heads >= G are zero), head dim in K.
+//   int8 K converts exactly to fp16 (a byte-permute + one half2 subtract per 2 values); the head
+//   dim is permuted so that each thread's K bytes are two (D=64: one) contiguous 16-byte loads and
+//   Q is loaded with the same permutation. bf16 queries are scaled by a power of two into fp16
+//   range (exact). (Tokens in M, not heads: a group of <= 8 heads fills an n-tile, whereas as the M
+//   of S = Q K^T it left half of every MMA and of the Q registers zero.)
+// - The 8x8 transposes (movmatrix) of S^T's accumulator fragments are the B fragments of
+//   V^T P'^T. P' = exp2(s - m) * v_scale, times a power of two that keeps it in fp16 range, is
+//   split into fp16 hi + lo parts and multiplied with int8 V converted exactly to fp16 (three
+//   instructions per pair), f32 accumulation. V's output columns are permuted so that each thread
+//   loads 16 (D=64: 8) contiguous bytes of 4 token rows.
+// - Softmax in f32 in the log2 domain; per-token K scales multiply S, V scales multiply P. The
+//   running max and the P scale move only when a chunk needs it (a score past the reference by
+//   more than a margin, a larger V scale): most chunks rescale nothing.
 #include "attention/paged_decode_int8.h"
 
 #include "common/cuda_utils.cuh"  // to_float, from_float
@@ -68,13 +72,35 @@ __device__ __forceinline__ void i8x4_to_f16x2x2(uint32_t w, uint32_t& lo, uint32
 // permute puts a_I in byte 0 and b_I in byte 2, one LOP3 keeps those bytes, flips their sign bit
 // (x -> x + 128) and sets the high bytes to 0x64 (half 1024 + (x + 128)), and one half2 subtract
 // of 1152 leaves x. All three take immediates, so no constant is re-materialized per use.
+// (The LOP3 is written out: from C++, ptxas emits an AND and an XOR, each with its immediate,
+// instead of one LOP3 that takes the magic from a register: 32 more instructions per chunk.)
 template <int I>
 __device__ __forceinline__ uint32_t i8pair_to_f16x2(uint32_t ua, uint32_t ub) {
   constexpr uint32_t kSel = I | (I << 4) | ((4 + I) << 8) | ((4 + I) << 12);
-  uint32_t h = (__byte_perm(ua, ub, kSel) & 0x00FF00FFu) ^ 0x64806480u;
   const uint32_t magic = 0x64806480u;  // half2(1152, 1152)
+  uint32_t h;
+  // h = (perm & 0x00FF00FF) ^ magic
+  asm("lop3.b32 %0, %1, %2, %3, 0x6a;" : "=r"(h) : "r"(__byte_perm(ua, ub, kSel)), "n"(0x00FF00FF),
+      "r"(magic));
   asm("sub.f16x2 %0, %0, %1;" : "+r"(h) : "r"(magic));
   return h;
+}
+
+// The transpose of an 8x8 matrix of 16-bit values held as an mma fragment (thread lane holds row
+// lane / 4, columns 2 * (lane % 4) + {0, 1}): returns the same fragment of the transpose.
+__device__ __forceinline__ uint32_t transpose8x8_b16(uint32_t x) {
+  uint32_t y;
+  asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
+  return y;
+}
+
+// 2^x with the hardware's approximation (ex2.approx: relative error ~2^-22, the same MUFU.EX2 as
+// exp2f), flushing results below 2^-126 to 0 (exp2f spends two more instructions per call keeping
+// those subnormal; a softmax weight that small is 0 to f32 sums anyway). -inf -> 0.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
 }
 
 __device__ __forceinline__ uint32_t pack_f16x2(float a, float b) {
@@ -99,7 +125,7 @@ struct Chunk {
   static constexpr int KW = D / 64;  // 16-byte K loads per token row
   uint4 k[2][KW];                    // K rows gid and gid + 8
   typename VBytes<D>::type v[4];     // V rows 2*t4, 2*t4 + 1, 2*t4 + 8, 2*t4 + 9
-  float2 ks[2], vs[2];               // scales of tokens {2t4, 2t4+1} and {8+2t4, 9+2t4}
+  float ks[2], vs[2];                // scales of tokens gid and gid + 8
   bool ok;                           // the block id is valid
 };
 
@@ -233,20 +259,17 @@ __global__ void __launch_bounds__(NW * 32, kMinBlocksPerSm<D, kTwoRows, NW>)
   const float k_static = kStatic ? __ldg(p.k_scales) : 1.f;
   const float v_static = kStatic ? __ldg(p.v_scales) : 1.f;
 
-  // ---- Q fragments (A of Q K^T), with the head-dim permutation of the K loads.
-  // k-step c of thread t4 covers d = (c / 4) * 64 + t4 * 16 + (c % 4) * 4 + {0, 1 | 2, 3}.
-  uint32_t qa[KC][4];
-  float row_scale[2], row_slope[2];
+  // ---- Q fragments (B of S^T = K Q^T: k = head dim, n = query heads), with the head-dim
+  // permutation of the K loads: k-step c of thread t4 covers
+  // d = (c / 4) * 64 + t4 * 16 + (c % 4) * 4 + {0, 1 (reg 0) | 2, 3 (reg 1)}; thread gid holds
+  // head 8h + gid of n-tile h.
+  uint32_t qb[NH][KC][2];
+  // per head 8h + 2*t4 + e (the S^T columns this thread holds): the score scale (sm_scale, log2 e,
+  // the bf16 power of two, a static K scale) and the ALiBi slope, log2 domain
+  float rs[NH][2], slope[NH][2];
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    row_scale[r] = 0.f;
-    row_slope[r] = 0.f;
-    if (r == 1 && !kTwoRows) {
-#pragma unroll
-      for (int c = 0; c < KC; ++c) qa[c][1] = qa[c][3] = 0u;
-      continue;
-    }
-    const int row = gid + 8 * r;
+  for (int h = 0; h < NH; ++h) {
+    const int row = gid + 8 * h;
     float qf[KW][16];
     if (row < rows) {
       const T* qp = static_cast<const T*>(p.query) + b * p.q_stride_b + (h0 + row) * p.q_stride_h;
@@ -288,20 +311,46 @@ __global__ void __launch_bounds__(NW * 32, kMinBlocksPerSm<D, kTwoRows, NW>)
 #pragma unroll
       for (int w = 0; w < 4; ++w) {
         const int c = kw * 4 + w;
-        qa[c][r] = pack_f16x2(qf[kw][4 * w] * scale, qf[kw][4 * w + 1] * scale);
-        qa[c][2 + r] = pack_f16x2(qf[kw][4 * w + 2] * scale, qf[kw][4 * w + 3] * scale);
+        qb[h][c][0] = pack_f16x2(qf[kw][4 * w] * scale, qf[kw][4 * w + 1] * scale);
+        qb[h][c][1] = pack_f16x2(qf[kw][4 * w + 2] * scale, qf[kw][4 * w + 3] * scale);
       }
+    float my_scale = 0.f, my_slope = 0.f;  // of head `row`; 0 for rows past the group
     if (row < rows) {
-      row_scale[r] = p.sm_scale * kLog2e * inv * k_static;
-      if (p.alibi_slopes != nullptr) row_slope[r] = __ldg(p.alibi_slopes + h0 + row) * kLog2e;
+      my_scale = p.sm_scale * kLog2e * inv * k_static;
+      if (p.alibi_slopes != nullptr) my_slope = __ldg(p.alibi_slopes + h0 + row) * kLog2e;
+    }
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {  // head 8h + 2*t4 + e is row 2*t4 + e of n-tile h: lane 4 * that
+      rs[h][e] = __shfl_sync(kFull, my_scale, (2 * t4 + e) * 4);
+      slope[h][e] = __shfl_sync(kFull, my_slope, (2 * t4 + e) * 4);
     }
   }
 
-  // ---- online softmax state
-  float m_run[2] = {-INFINITY, -INFINITY};
-  float l_run[2] = {0.f, 0.f};
-  int p_exp = 14;        // O is kept in units of 2^p_exp (see compute)
-  float p_inv = 0x1p-14f;  // 2^-p_exp
+  // ---- online softmax state, per head 8h + 2*t4 + e (uniform over gid)
+  // m_run: the reference the exponentials are taken against (-inf: no valid token yet). It is
+  // raised only when a chunk's score exceeds it by more than kSlack (log2 units), so most chunks
+  // rescale nothing (FlashAttention-4's conditional rescaling); exponentials are then <= 2^kSlack.
+  constexpr float kSlack = 8.f;
+  float m_run[NH][2], m_ref[NH][2];  // m_ref: m_run, or 0 while m_run is -inf
+  float l_run[NH][2];                // this thread's tokens only (summed over gid at the end)
+#pragma unroll
+  for (int h = 0; h < NH; ++h)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      m_run[h][e] = -INFINITY;
+      m_ref[h][e] = 0.f;
+      l_run[h][e] = 0.f;
+    }
+  // P' = exp2(s - m_ref) * v_scale enters the P V product as fp16 hi + lo parts, scaled by 2^p_exp
+  // so that P' 2^p_exp < 2^15 (fp16 range): static scales, P' <= 2^kSlack, so 2^p_exp = 2^6;
+  // dynamic, P' < 2^kSlack * 2^(v_bits - 126), with v_bits the largest biased exponent of a valid
+  // V scale so far, so p_exp = 133 - v_bits (clamped to [-63, 63]: 2^p_exp and its inverse are
+  // normal floats). p_exp only decreases, when a larger V scale arrives (O is then rescaled).
+  // hi + lo carries each P' 2^p_exp to a relative 2^-22, or an absolute 2^-24 below 2^-2, against
+  // terms of up to 2^15: far below the fp16 output's rounding.
+  int v_bits = 0;
+  int p_exp = kStatic ? 6 : 63;
+  float p_inv = __int_as_float((127 - p_exp) << 23);  // 2^-p_exp: O is kept in units of 2^p_exp
   // O^T = V^T P'^T, m-tile i (16 head-dim rows) x n-tile h (8 query heads): thread holds
   // d = gid * DPT + 2 * i + {0 (c0, c1), 1 (c2, c3)} for heads 8 * h + 2 * t4 + {0 (c0, c2), 1}.
   float o[MT][NH][4];
@@ -386,124 +435,122 @@ __global__ void __launch_bounds__(NW * 32, kMinBlocksPerSm<D, kTwoRows, NW>)
     }
     if constexpr (!kStatic) {
       const float* st_s = reinterpret_cast<const float*>(st_v + Stage<D>::kKBytes);
-      x.ks[0] = *reinterpret_cast<const float2*>(st_s + 2 * t4);
-      x.ks[1] = *reinterpret_cast<const float2*>(st_s + 8 + 2 * t4);
-      x.vs[0] = *reinterpret_cast<const float2*>(st_s + 16 + 2 * t4);
-      x.vs[1] = *reinterpret_cast<const float2*>(st_s + 24 + 2 * t4);
+      x.ks[0] = st_s[gid];
+      x.ks[1] = st_s[8 + gid];
+      x.vs[0] = st_s[16 + gid];
+      x.vs[1] = st_s[24 + gid];
     }
     x.ok = (ok_mask >> st) & 1u;
   };
 
   auto compute = [&](const Chunk<D>& x, int c) {
-    // S = Q K^T for tokens c*16 + [0, 8) (n-tile 0) and [8, 16) (n-tile 1)
-    float s[2][4];
+    // S^T = K Q^T for the chunk's 16 tokens (m: token gid (regs 0, 1) and gid + 8 (regs 2, 3))
+    // and the query heads (n: 8h + 2*t4 + {0 (regs 0, 2), 1 (regs 1, 3)}); K's int8 rows gid and
+    // gid + 8 convert exactly to the A fragments.
+    float s[NH][4];
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
-      const uint32_t* kw32 = reinterpret_cast<const uint32_t*>(&x.k[nt][0]);
+    for (int h = 0; h < NH; ++h) s[h][0] = s[h][1] = s[h][2] = s[h][3] = 0.f;
+    {
+      const uint32_t* k0 = reinterpret_cast<const uint32_t*>(&x.k[0][0]);
+      const uint32_t* k1 = reinterpret_cast<const uint32_t*>(&x.k[1][0]);
 #pragma unroll
       for (int kc = 0; kc < KC; ++kc) {
-        uint32_t b0, b1;
-        i8x4_to_f16x2x2(kw32[kc], b0, b1);
-        mma_f16(s[nt], qa[kc], b0, b1);
+        uint32_t a[4];
+        i8x4_to_f16x2x2(k0[kc], a[0], a[2]);
+        i8x4_to_f16x2x2(k1[kc], a[1], a[3]);
+#pragma unroll
+        for (int h = 0; h < NH; ++h) mma_f16(s[h], a, qb[h][kc][0], qb[h][kc][1]);
       }
     }
-    // scale, bias, mask; the row max
-    const int j0 = (c << 4) + 2 * t4;
-    float tok_ks[2][2], tok_vs[2][2];
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      tok_ks[nt][0] = kStatic ? 1.f : x.ks[nt].x;
-      tok_ks[nt][1] = kStatic ? 1.f : x.ks[nt].y;
-      tok_vs[nt][0] = kStatic ? 1.f : x.vs[nt].x;
-      tok_vs[nt][1] = kStatic ? 1.f : x.vs[nt].y;
-    }
-    // P' = exp2(s - m) * v_scale goes into the P V product as fp16 hi + lo parts, scaled by a
-    // power of two 2^e chosen per chunk from the largest valid V scale of the chunk (warp-uniform:
-    // all quads see the same 16 tokens) so that P' 2^e < 2^15 (P' <= v_scale): fp16 range, and
-    // hi + lo carries P' to a relative 2^-16 or better for every term >= 2^-23 of the chunk's
-    // largest V scale (smaller ones to an absolute 2^-39 of it). O is kept in units of the
-    // current 2^e: the online-softmax rescale of O also carries 2^(e_new - e_old).
-    float pscale, rescale;
-    if constexpr (kStatic) {
-      pscale = 16384.f;  // P' = exp2(s - m) <= 1
-      rescale = 1.f;
-    } else {
-      float vm = 0.f;
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int j = j0 + nt * 8 + e;
-          vm = fmaxf(vm, (x.ok && j < L) ? tok_vs[nt][e] : 0.f);  // masked scales may be garbage
-        }
-      vm = fmaxf(vm, __shfl_xor_sync(kFull, vm, 1));
-      vm = fmaxf(vm, __shfl_xor_sync(kFull, vm, 2));
-      // e = 14 - floor(log2 vm), clamped to [-63, 63] so that 2^e and 2^-e are normal floats and
-      // any ratio of two of them is exact or flushes to 0 (a no-contribution chunk keeps e)
-      const int ex = vm > 0.f ? min(63, max(-63, 141 - (__float_as_int(vm) >> 23))) : p_exp;
-      pscale = __int_as_float((ex + 127) << 23);
-      rescale = pscale * p_inv;  // 2^(e_new - e_old)
-      p_exp = ex;
-      p_inv = __int_as_float((127 - ex) << 23);
-    }
-    float pv[2][4];
-#pragma unroll
-    for (int r = 0; r < (kTwoRows ? 2 : 1); ++r) {
-      float mx = -INFINITY;
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int j = j0 + nt * 8 + e;
-          float v = s[nt][2 * r + e] * tok_ks[nt][e] * row_scale[r] +
-                    row_slope[r] * static_cast<float>(j - (L - 1));
-          v = (x.ok && j < L) ? v : -INFINITY;
-          s[nt][2 * r + e] = v;
-          mx = fmaxf(mx, v);
-        }
-      mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 2));
-      const float m_new = fmaxf(m_run[r], mx);
-      const float m_use = m_new == -INFINITY ? 0.f : m_new;
-      const float alpha = exp2f(m_run[r] - m_use);  // l's rescale; O's also carries 2^e's
-      m_run[r] = m_new;
-      float lsum = 0.f;
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float pe = exp2f(s[nt][2 * r + e] - m_use);  // -inf -> 0
-          lsum += pe;
-          const float w = pe * (kStatic ? pscale : tok_vs[nt][e] * pscale);
-          pv[nt][2 * r + e] = pe > 0.f ? w : 0.f;  // a masked token's scale may be garbage
-        }
-      l_run[r] = l_run[r] * alpha + lsum;
-      // O^T's columns 2*t4 + e (+8r) belong to the rows owned by the quads gid = 2*t4 + e
-      const float o_alpha = kStatic ? alpha : alpha * rescale;
-      const float a0 = __shfl_sync(kFull, o_alpha, (2 * t4) * 4);
-      const float a1 = __shfl_sync(kFull, o_alpha, (2 * t4 + 1) * 4);
-#pragma unroll
-      for (int i = 0; i < MT; ++i) {
-        o[i][r][0] *= a0;
-        o[i][r][1] *= a1;
-        o[i][r][2] *= a0;
-        o[i][r][3] *= a1;
-      }
-    }
-    // P'^T as the B fragments (k = tokens, n = heads) of V^T P'^T, split into fp16 hi + lo:
-    // S's accumulator (row gid, tokens 2*t4 + {0, 1} of each n-tile) is exactly that fragment.
-    uint32_t ph[NH][2], pl[NH][2];
+    // scale, bias, mask; whether any head's reference or the P scale must move
+    const int j0 = (c << 4) + gid;  // token of regs 0, 1; regs 2, 3: j0 + 8
+    const bool ok0 = x.ok && j0 < L, ok1 = x.ok && j0 + 8 < L;
+    const float ks0 = kStatic ? 1.f : x.ks[0], ks1 = kStatic ? 1.f : x.ks[1];
+    // a masked token's scale may be garbage: 0 keeps it out of P' and of the P scale
+    const float vs0 = kStatic ? 1.f : (ok0 ? x.vs[0] : 0.f);
+    const float vs1 = kStatic ? 1.f : (ok1 ? x.vs[1] : 0.f);
+    const float bias0 = static_cast<float>(j0 - (L - 1)), bias1 = bias0 + 8.f;
+    bool need = false;
+    float lmax[NH][2];
 #pragma unroll
     for (int h = 0; h < NH; ++h)
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        const float a = pv[nt][2 * h], bb = pv[nt][2 * h + 1];
-        const __half2 hi = __floats2half2_rn(a, bb);
-        const float2 hf = __half22float2(hi);
-        ph[h][nt] = *reinterpret_cast<const uint32_t*>(&hi);
-        pl[h][nt] = pack_f16x2(a - hf.x, bb - hf.y);
+      for (int e = 0; e < 2; ++e) {
+        const float v0 = s[h][e] * ks0 * rs[h][e] + slope[h][e] * bias0;
+        const float v1 = s[h][2 + e] * ks1 * rs[h][e] + slope[h][e] * bias1;
+        s[h][e] = ok0 ? v0 : -INFINITY;
+        s[h][2 + e] = ok1 ? v1 : -INFINITY;
+        lmax[h][e] = fmaxf(s[h][e], s[h][2 + e]);
+        need |= lmax[h][e] > m_run[h][e] + kSlack;
       }
+    int vb = 0;
+    if constexpr (!kStatic) {
+      vb = __float_as_int(fmaxf(vs0, vs1)) >> 23;
+      need |= vb > v_bits;
+    }
+    if (__any_sync(kFull, need)) {  // warp-uniform; rare once the context's maxima are reached
+      float rescale = 1.f;          // 2^(p_exp new - old)
+      if constexpr (!kStatic) {
+        const int vmax = __reduce_max_sync(kFull, vb);
+        if (vmax > v_bits) {
+          v_bits = vmax;
+          const int ex = min(63, max(-63, 133 - v_bits));
+          rescale = __int_as_float((127 + ex - p_exp) << 23);
+          p_exp = ex;
+          p_inv = __int_as_float((127 - ex) << 23);
+        }
+      }
+      float o_alpha[NH][2];
+#pragma unroll
+      for (int h = 0; h < NH; ++h)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float mx = lmax[h][e];  // over the 16 tokens: the 8 lanes of this t4
+          mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 4));
+          mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 8));
+          mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 16));
+          const float m_new = fmaxf(m_run[h][e], mx);
+          const float m_use = m_new == -INFINITY ? 0.f : m_new;
+          const float alpha = fast_exp2(m_run[h][e] - m_use);  // 0 from -inf; 1 when unchanged
+          m_run[h][e] = m_new;
+          m_ref[h][e] = m_use;
+          l_run[h][e] *= alpha;
+          o_alpha[h][e] = alpha * rescale;
+        }
+#pragma unroll
+      for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int h = 0; h < NH; ++h) {
+          o[i][h][0] *= o_alpha[h][0];
+          o[i][h][1] *= o_alpha[h][1];
+          o[i][h][2] *= o_alpha[h][0];
+          o[i][h][3] *= o_alpha[h][1];
+        }
+    }
+    const float pscale = __int_as_float((127 + p_exp) << 23);
+    const float w0 = vs0 * pscale, w1 = vs1 * pscale;
+    // P'^T (tokens x heads, S^T's layout) in fp16 hi + lo; its 8x8 transposes are the B
+    // fragments (k = tokens, n = heads) of V^T P'^T: token half r -> register r.
+    uint32_t ph[NH][2], pl[NH][2];
+#pragma unroll
+    for (int h = 0; h < NH; ++h) {
+      float pv[4];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float p0 = fast_exp2(s[h][e] - m_ref[h][e]);  // -inf -> 0
+        const float p1 = fast_exp2(s[h][2 + e] - m_ref[h][e]);
+        l_run[h][e] += p0 + p1;
+        pv[e] = p0 * w0;
+        pv[2 + e] = p1 * w1;
+      }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const __half2 hi = __floats2half2_rn(pv[2 * r], pv[2 * r + 1]);
+        const float2 hf = __half22float2(hi);
+        ph[h][r] = transpose8x8_b16(*reinterpret_cast<const uint32_t*>(&hi));
+        pl[h][r] = transpose8x8_b16(pack_f16x2(pv[2 * r] - hf.x, pv[2 * r + 1] - hf.y));
+      }
+    }
     // V^T as the A fragments: rows = head dim (row gid: d = 2i, row gid + 8: d = 2i + 1 of this
     // thread's DPT bytes), k = tokens 2*t4, 2*t4 + 1 (regs 0, 1) and 2*t4 + 8, 2*t4 + 9 (regs 2, 3)
     const uint32_t* v0 = reinterpret_cast<const uint32_t*>(&x.v[0]);
@@ -567,16 +614,19 @@ __global__ void __launch_bounds__(NW * 32, kMinBlocksPerSm<D, kTwoRows, NW>)
   auto s_m = reinterpret_cast<float(*)[16]>(smem + kWarps * kRows * (D + kPad) * 4);
   auto s_l = reinterpret_cast<float(*)[16]>(smem + kWarps * kRows * (D + kPad) * 4 + kWarps * 16 * 4);
 #pragma unroll
-  for (int r = 0; r < (kTwoRows ? 2 : 1); ++r) {
-    float l = l_run[r];
-    l += __shfl_xor_sync(kFull, l, 1);
-    l += __shfl_xor_sync(kFull, l, 2);
-    const int row = gid + 8 * r;
-    if (t4 == 0) {
-      s_m[warp][row] = m_run[r];
-      s_l[warp][row] = l;
+  for (int h = 0; h < NH; ++h)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      float l = l_run[h][e];  // over the 8 lanes of this t4 (tokens gid, gid + 8 of each chunk)
+      l += __shfl_xor_sync(kFull, l, 4);
+      l += __shfl_xor_sync(kFull, l, 8);
+      l += __shfl_xor_sync(kFull, l, 16);
+      if (gid == 0) {
+        const int head = 8 * h + 2 * t4 + e;
+        s_m[warp][head] = m_run[h][e];  // O and l are relative to it (m_ref) where l > 0
+        s_l[warp][head] = l;
+      }
     }
-  }
 #pragma unroll
   for (int h = 0; h < NH; ++h)
 #pragma unroll
