@@ -249,115 +249,39 @@ __global__ void __launch_bounds__(NW * 32, kMinBlocksPerSm<D, kTwoRows, NW>)
   const int bt_guess =
       cc_guess < max_chunks ? __ldg(bt_row + (cc_guess >> chunks_per_block_shift)) : 0;
 
+  // Everything the first K/V loads and the Q fragments need is requested here, before any of it
+  // is used: the query rows, the ALiBi slopes, static scales, seq_len (with the guessed block
+  // ids above). Then the first chunks' K/V copies are issued, and the Q fragments are built while
+  // they are in flight: ahead of the first chunk, two round trips (seq_len and the block ids
+  // together, then K/V), not four (seq_len, then Q, then K/V, as the compiler scheduled the Q
+  // loads after the seq_len-dependent code).
+  uint4 qraw[NH][KW][2];  // this thread's 16 (D=64) or 32 query values of head gid + 8h
+  float my_slope[NH];
+#pragma unroll
+  for (int h = 0; h < NH; ++h) {
+    const int row = gid + 8 * h;
+    my_slope[h] = 0.f;
+#pragma unroll
+    for (int kw = 0; kw < KW; ++kw) qraw[h][kw][0] = qraw[h][kw][1] = make_uint4(0, 0, 0, 0);
+    if (row < rows) {
+      const T* qp = static_cast<const T*>(p.query) + b * p.q_stride_b + (h0 + row) * p.q_stride_h;
+#pragma unroll
+      for (int kw = 0; kw < KW; ++kw) {
+        qraw[h][kw][0] = __ldg(reinterpret_cast<const uint4*>(qp + kw * 64 + t4 * 16));
+        qraw[h][kw][1] = __ldg(reinterpret_cast<const uint4*>(qp + kw * 64 + t4 * 16 + 8));
+      }
+      if (p.alibi_slopes != nullptr) my_slope[h] = __ldg(p.alibi_slopes + h0 + row) * kLog2e;
+    }
+  }
+  const float k_static = kStatic ? __ldg(p.k_scales) : 1.f;
+  const float v_static = kStatic ? __ldg(p.v_scales) : 1.f;
+
   int L = p.seq_lens[b];
   L = max(0, min(L, p.max_blocks * bs));
   const int nchunks = (L + 15) >> 4;
   const int per = chunks_per_split(nchunks);
   const int c_begin = split * per;
   const int c_end = min(nchunks, c_begin + per);
-
-  const float k_static = kStatic ? __ldg(p.k_scales) : 1.f;
-  const float v_static = kStatic ? __ldg(p.v_scales) : 1.f;
-
-  // ---- Q fragments (B of S^T = K Q^T: k = head dim, n = query heads), with the head-dim
-  // permutation of the K loads: k-step c of thread t4 covers
-  // d = (c / 4) * 64 + t4 * 16 + (c % 4) * 4 + {0, 1 (reg 0) | 2, 3 (reg 1)}; thread gid holds
-  // head 8h + gid of n-tile h.
-  uint32_t qb[NH][KC][2];
-  // per head 8h + 2*t4 + e (the S^T columns this thread holds): the score scale (sm_scale, log2 e,
-  // the bf16 power of two, a static K scale) and the ALiBi slope, log2 domain
-  float rs[NH][2], slope[NH][2];
-#pragma unroll
-  for (int h = 0; h < NH; ++h) {
-    const int row = gid + 8 * h;
-    float qf[KW][16];
-    if (row < rows) {
-      const T* qp = static_cast<const T*>(p.query) + b * p.q_stride_b + (h0 + row) * p.q_stride_h;
-#pragma unroll
-      for (int kw = 0; kw < KW; ++kw) {
-        uint4 u[2];
-        u[0] = __ldg(reinterpret_cast<const uint4*>(qp + kw * 64 + t4 * 16));
-        u[1] = __ldg(reinterpret_cast<const uint4*>(qp + kw * 64 + t4 * 16 + 8));
-        const T* e = reinterpret_cast<const T*>(u);
-#pragma unroll
-        for (int i = 0; i < 16; ++i) qf[kw][i] = to_float(e[i]);
-      }
-    } else {
-#pragma unroll
-      for (int kw = 0; kw < KW; ++kw)
-#pragma unroll
-        for (int i = 0; i < 16; ++i) qf[kw][i] = 0.f;
-    }
-    float scale = 1.f, inv = 1.f;
-    if constexpr (std::is_same<T, __nv_bfloat16>::value) {
-      // a power of two that brings max|q| into [2^14, 2^15): the fp16 conversion is then exact
-      float mx = 0.f;
-#pragma unroll
-      for (int kw = 0; kw < KW; ++kw)
-#pragma unroll
-        for (int i = 0; i < 16; ++i) mx = fmaxf(mx, fabsf(qf[kw][i]));
-      mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 2));
-      if (mx > 0.f && mx < INFINITY) {
-        int e;
-        frexpf(mx, &e);  // mx = f * 2^e, f in [0.5, 1)
-        const int sh = max(-126, min(127, 15 - e));
-        scale = ldexpf(1.f, sh);
-        inv = ldexpf(1.f, -sh);
-      }
-    }
-#pragma unroll
-    for (int kw = 0; kw < KW; ++kw)
-#pragma unroll
-      for (int w = 0; w < 4; ++w) {
-        const int c = kw * 4 + w;
-        qb[h][c][0] = pack_f16x2(qf[kw][4 * w] * scale, qf[kw][4 * w + 1] * scale);
-        qb[h][c][1] = pack_f16x2(qf[kw][4 * w + 2] * scale, qf[kw][4 * w + 3] * scale);
-      }
-    float my_scale = 0.f, my_slope = 0.f;  // of head `row`; 0 for rows past the group
-    if (row < rows) {
-      my_scale = p.sm_scale * kLog2e * inv * k_static;
-      if (p.alibi_slopes != nullptr) my_slope = __ldg(p.alibi_slopes + h0 + row) * kLog2e;
-    }
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {  // head 8h + 2*t4 + e is row 2*t4 + e of n-tile h: lane 4 * that
-      rs[h][e] = __shfl_sync(kFull, my_scale, (2 * t4 + e) * 4);
-      slope[h][e] = __shfl_sync(kFull, my_slope, (2 * t4 + e) * 4);
-    }
-  }
-
-  // ---- online softmax state, per head 8h + 2*t4 + e (uniform over gid)
-  // m_run: the reference the exponentials are taken against (-inf: no valid token yet). It is
-  // raised only when a chunk's score exceeds it by more than kSlack (log2 units), so most chunks
-  // rescale nothing (FlashAttention-4's conditional rescaling); exponentials are then <= 2^kSlack.
-  constexpr float kSlack = 8.f;
-  float m_run[NH][2], m_ref[NH][2];  // m_ref: m_run, or 0 while m_run is -inf
-  float l_run[NH][2];                // this thread's tokens only (summed over gid at the end)
-#pragma unroll
-  for (int h = 0; h < NH; ++h)
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      m_run[h][e] = -INFINITY;
-      m_ref[h][e] = 0.f;
-      l_run[h][e] = 0.f;
-    }
-  // P' = exp2(s - m_ref) * v_scale enters the P V product as fp16 hi + lo parts, scaled by 2^p_exp
-  // so that P' 2^p_exp < 2^15 (fp16 range): static scales, P' <= 2^kSlack, so 2^p_exp = 2^6;
-  // dynamic, P' < 2^kSlack * 2^(v_bits - 126), with v_bits the largest biased exponent of a valid
-  // V scale so far, so p_exp = 133 - v_bits (clamped to [-63, 63]: 2^p_exp and its inverse are
-  // normal floats). p_exp only decreases, when a larger V scale arrives (O is then rescaled).
-  // hi + lo carries each P' 2^p_exp to a relative 2^-22, or an absolute 2^-24 below 2^-2, against
-  // terms of up to 2^15: far below the fp16 output's rounding.
-  int v_bits = 0;
-  int p_exp = kStatic ? 6 : 63;
-  float p_inv = __int_as_float((127 - p_exp) << 23);  // 2^-p_exp: O is kept in units of 2^p_exp
-  // O^T = V^T P'^T, m-tile i (16 head-dim rows) x n-tile h (8 query heads): thread holds
-  // d = gid * DPT + 2 * i + {0 (c0, c1), 1 (c2, c3)} for heads 8 * h + 2 * t4 + {0 (c0, c2), 1}.
-  float o[MT][NH][4];
-#pragma unroll
-  for (int i = 0; i < MT; ++i)
-#pragma unroll
-    for (int h = 0; h < NH; ++h) o[i][h][0] = o[i][h][1] = o[i][h][2] = o[i][h][3] = 0.f;
 
   int bt_cache = 0;
 
@@ -442,6 +366,100 @@ __global__ void __launch_bounds__(NW * 32, kMinBlocksPerSm<D, kTwoRows, NW>)
     }
     x.ok = (ok_mask >> st) & 1u;
   };
+
+  // ---- the pipeline's prologue: this warp's chunks c_begin + warp + i * kWarps, S - 1 in flight
+  const int first = c_begin + warp;
+  const int my_n = first < c_end ? (c_end - first + kWarps - 1) / kWarps : 0;
+#pragma unroll
+  for (int i = 0; i < S - 1; ++i) {
+    if (i < my_n) issue(first + i * kWarps, i, i);
+    cp_async_commit();
+  }
+
+  // ---- Q fragments (B of S^T = K Q^T: k = head dim, n = query heads), with the head-dim
+  // permutation of the K loads: k-step c of thread t4 covers
+  // d = (c / 4) * 64 + t4 * 16 + (c % 4) * 4 + {0, 1 (reg 0) | 2, 3 (reg 1)}; thread gid holds
+  // head 8h + gid of n-tile h.
+  uint32_t qb[NH][KC][2];
+  // per head 8h + 2*t4 + e (the S^T columns this thread holds): the score scale (sm_scale, log2 e,
+  // the bf16 power of two, a static K scale) and the ALiBi slope, log2 domain
+  float rs[NH][2], slope[NH][2];
+#pragma unroll
+  for (int h = 0; h < NH; ++h) {
+    const int row = gid + 8 * h;
+    float qf[KW][16];
+#pragma unroll
+    for (int kw = 0; kw < KW; ++kw) {
+      const T* e = reinterpret_cast<const T*>(&qraw[h][kw][0]);  // [0] and [1]: 16 values
+#pragma unroll
+      for (int i = 0; i < 16; ++i) qf[kw][i] = to_float(e[i]);
+    }
+    float scale = 1.f, inv = 1.f;
+    if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+      // a power of two that brings max|q| into [2^14, 2^15): the fp16 conversion is then exact
+      float mx = 0.f;
+#pragma unroll
+      for (int kw = 0; kw < KW; ++kw)
+#pragma unroll
+        for (int i = 0; i < 16; ++i) mx = fmaxf(mx, fabsf(qf[kw][i]));
+      mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 2));
+      if (mx > 0.f && mx < INFINITY) {
+        int e;
+        frexpf(mx, &e);  // mx = f * 2^e, f in [0.5, 1)
+        const int sh = max(-126, min(127, 15 - e));
+        scale = ldexpf(1.f, sh);
+        inv = ldexpf(1.f, -sh);
+      }
+    }
+#pragma unroll
+    for (int kw = 0; kw < KW; ++kw)
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        const int c = kw * 4 + w;
+        qb[h][c][0] = pack_f16x2(qf[kw][4 * w] * scale, qf[kw][4 * w + 1] * scale);
+        qb[h][c][1] = pack_f16x2(qf[kw][4 * w + 2] * scale, qf[kw][4 * w + 3] * scale);
+      }
+    const float my_scale = row < rows ? p.sm_scale * kLog2e * inv * k_static : 0.f;
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {  // head 8h + 2*t4 + e is row 2*t4 + e of n-tile h: lane 4 * that
+      rs[h][e] = __shfl_sync(kFull, my_scale, (2 * t4 + e) * 4);
+      slope[h][e] = __shfl_sync(kFull, my_slope[h], (2 * t4 + e) * 4);
+    }
+  }
+
+  // ---- online softmax state, per head 8h + 2*t4 + e (uniform over gid)
+  // m_run: the reference the exponentials are taken against (-inf: no valid token yet). It is
+  // raised only when a chunk's score exceeds it by more than kSlack (log2 units), so most chunks
+  // rescale nothing (FlashAttention-4's conditional rescaling); exponentials are then <= 2^kSlack.
+  constexpr float kSlack = 8.f;
+  float m_run[NH][2], m_ref[NH][2];  // m_ref: m_run, or 0 while m_run is -inf
+  float l_run[NH][2];                // this thread's tokens only (summed over gid at the end)
+#pragma unroll
+  for (int h = 0; h < NH; ++h)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      m_run[h][e] = -INFINITY;
+      m_ref[h][e] = 0.f;
+      l_run[h][e] = 0.f;
+    }
+  // P' = exp2(s - m_ref) * v_scale enters the P V product as fp16 hi + lo parts, scaled by 2^p_exp
+  // so that P' 2^p_exp < 2^15 (fp16 range): static scales, P' <= 2^kSlack, so 2^p_exp = 2^6;
+  // dynamic, P' < 2^kSlack * 2^(v_bits - 126), with v_bits the largest biased exponent of a valid
+  // V scale so far, so p_exp = 133 - v_bits (clamped to [-63, 63]: 2^p_exp and its inverse are
+  // normal floats). p_exp only decreases, when a larger V scale arrives (O is then rescaled).
+  // hi + lo carries each P' 2^p_exp to a relative 2^-22, or an absolute 2^-24 below 2^-2, against
+  // terms of up to 2^15: far below the fp16 output's rounding.
+  int v_bits = 0;
+  int p_exp = kStatic ? 6 : 63;
+  float p_inv = __int_as_float((127 - p_exp) << 23);  // 2^-p_exp: O is kept in units of 2^p_exp
+  // O^T = V^T P'^T, m-tile i (16 head-dim rows) x n-tile h (8 query heads): thread holds
+  // d = gid * DPT + 2 * i + {0 (c0, c1), 1 (c2, c3)} for heads 8 * h + 2 * t4 + {0 (c0, c2), 1}.
+  float o[MT][NH][4];
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int h = 0; h < NH; ++h) o[i][h][0] = o[i][h][1] = o[i][h][2] = o[i][h][3] = 0.f;
 
   auto compute = [&](const Chunk<D>& x, int c) {
     // S^T = K Q^T for the chunk's 16 tokens (m: token gid (regs 0, 1) and gid + 8 (regs 2, 3))
@@ -579,15 +597,8 @@ __global__ void __launch_bounds__(NW * 32, kMinBlocksPerSm<D, kTwoRows, NW>)
     }
   };
 
-  // ---- the main loop: this warp's chunks c_begin + warp + i * kWarps, S - 1 chunks in flight
+  // ---- the main loop
   {
-    const int first = c_begin + warp;
-    const int my_n = first < c_end ? (c_end - first + kWarps - 1) / kWarps : 0;
-#pragma unroll
-    for (int i = 0; i < S - 1; ++i) {
-      if (i < my_n) issue(first + i * kWarps, i, i);
-      cp_async_commit();
-    }
     int st = 0;
     for (int i = 0; i < my_n; ++i) {
       const int in = i + S - 1;
