@@ -252,9 +252,9 @@ __global__ void __launch_bounds__(NW * 32, kMinBlocksPerSm<D, kTwoRows, NW>)
   // Everything the first K/V loads and the Q fragments need is requested here, before any of it
   // is used: the query rows, the ALiBi slopes, static scales, seq_len (with the guessed block
   // ids above). Then the first chunks' K/V copies are issued, and the Q fragments are built while
-  // they are in flight: ahead of the first chunk, two round trips (seq_len and the block ids
-  // together, then K/V), not four (seq_len, then Q, then K/V, as the compiler scheduled the Q
-  // loads after the seq_len-dependent code).
+  // they are in flight: ahead of the first chunk, two round trips (seq_len, the block ids and Q
+  // together, then K/V), not three (seq_len, then Q, then K/V: ptxas had scheduled the Q loads
+  // after the seq_len-dependent code, and the K/V copies came after the Q fragments).
   uint4 qraw[NH][KW][2];  // this thread's 16 (D=64) or 32 query values of head gid + 8h
   float my_slope[NH];
 #pragma unroll
