@@ -20,7 +20,7 @@
 // reference does it: (float(acc) * a_scale) * b_scale + bias, each op rounded once.
 #include "gemm/w8a8_gemv.h"
 
-#include "common/cuda_utils.cuh"  // pdl_wait, append_pdl_attribute
+#include "common/cuda_utils.cuh"  // pdl_wait, launch_kernel
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -190,13 +190,8 @@ __global__ void __launch_bounds__(kWarps * 32) w8a8_gemv_kernel(const Params p) 
 // before reading anything. Inside a CUDA graph this becomes a programmatic edge.
 template <int J, int U, int kWarps, bool kM16, typename OutT>
 cudaError_t launch_variant(const Params& p, bool pdl, cudaStream_t stream) {
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3((p.n + 8 * J - 1) / (8 * J));
-  cfg.blockDim = dim3(kWarps * 32);
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  if (pdl) append_pdl_attribute(&cfg, attr);
-  return cudaLaunchKernelEx(&cfg, w8a8_gemv_kernel<J, U, kWarps, kM16, OutT>, p);
+  return launch_kernel(w8a8_gemv_kernel<J, U, kWarps, kM16, OutT>,
+                       dim3((p.n + 8 * J - 1) / (8 * J)), dim3(kWarps * 32), stream, pdl, p);
 }
 
 // The variants (docs/w8a8_gemm.md has the sweep they were picked from; gemv_shape chooses): 8 rows
