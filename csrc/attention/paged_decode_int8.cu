@@ -26,7 +26,6 @@
 
 #include "common/cuda_utils.cuh"  // to_float, from_float
 
-#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -133,9 +132,12 @@ struct Chunk {
 // Shared by the reduce kernel and the fused merge so that both give bit-identical outputs: per
 // output element, over the non-empty splits s = 0, 1, ... in increasing order,
 //   w = exp2(lse[s] - max lse),  wsum += w,  acc = fma(w, partial_out[s], acc),
-// and out = acc / wsum (0 when wsum is not > 0). How elements are dealt to threads does not change
-// any element's value.
-__device__ __forceinline__ float merge_weight(float lse, float m) { return exp2f(lse - m); }
+// and out = acc * (1 / wsum) (0 when wsum is not > 0). How elements are dealt to threads does not
+// change any element's value. The exponential and the reciprocal are the approximate hardware ones
+// (ex2.approx, rcp.approx: relative errors near 2^-22): the IEEE-exact library versions cost a
+// range check, a slow-path branch and a call per element on the merge's critical path, which at
+// small batch is as long as the stream itself.
+__device__ __forceinline__ float merge_weight(float lse, float m) { return fast_exp2(lse - m); }
 __device__ __forceinline__ void merge_add(float& acc, float w, float v) { acc = __fmaf_rn(w, v, acc); }
 __device__ __forceinline__ void merge_add4(float (&acc)[4], float w, const float4& v) {
   merge_add(acc[0], w, v.x);
@@ -143,9 +145,58 @@ __device__ __forceinline__ void merge_add4(float (&acc)[4], float w, const float
   merge_add(acc[2], w, v.z);
   merge_add(acc[3], w, v.w);
 }
-__device__ __forceinline__ float merge_finish(float acc, float wsum) {
-  return wsum > 0.f ? acc / wsum : 0.f;
+__device__ __forceinline__ float merge_inv(float wsum) {
+  return wsum > 0.f ? __fdividef(1.f, wsum) : 0.f;  // wsum <= num_splits
 }
+__device__ __forceinline__ float merge_finish(float acc, float inv) { return acc * inv; }
+
+// Four consecutive outputs as one 8-byte store (p + 4 i: 8-byte aligned).
+template <typename T>
+__device__ __forceinline__ void store_out4(T* p, const float (&v)[4]) {
+  T t[4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) t[e] = from_float<T>(v[e]);
+  *reinterpret_cast<uint2*>(p) = *reinterpret_cast<const uint2*>(t);
+}
+
+// ---- distributed shared memory (sm_90 thread-block clusters) -------------------------------------
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// The address of this CTA's shared variable `p` in the shared memory of cluster rank `rank`.
+__device__ __forceinline__ uint32_t dsmem_addr(const void* p, uint32_t rank) {
+  uint32_t r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n"
+               : "=r"(r)
+               : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(p))), "r"(rank));
+  return r;
+}
+__device__ __forceinline__ float ld_dsmem(uint32_t a) {
+  float v;
+  asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(a) : "memory");
+  return v;
+}
+__device__ __forceinline__ float4 ld_dsmem4(uint32_t a) {
+  float4 v;
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(a)
+               : "memory");
+  return v;
+}
+// Cluster barrier whose arrival releases this CTA's prior writes (shared and global) to the
+// cluster, and whose wait acquires the peers'. ptxas implements the release as MEMBAR.ALL.GPU:
+// it waits for this thread's outstanding global stores.
+__device__ __forceinline__ void cluster_sync_acq_rel() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+// Cluster barrier without memory ordering: all CTAs of the cluster have arrived. Enough to keep a
+// CTA's shared memory alive until its peers have read it, when each peer's reads have returned
+// (their values used) before it arrives.
+__device__ __forceinline__ void cluster_sync_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+  asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
+}
+#endif
 
 // ---- the per-warp shared-memory pipeline ----------------------------------------------------------
 // Each warp streams its chunks through kStages stages of shared memory with cp.async (16-byte,
@@ -655,31 +706,43 @@ __global__ void __launch_bounds__(NW * 32, kMinBlocksPerSm<D, kTwoRows, NW>)
   // The cluster merge's partials of this CTA (see below), past the warp-merge buffers.
   float* c_part = reinterpret_cast<float*>(smem + kMergeBytes<D, kTwoRows, kWarps>);  // [kRows][D]
   float* c_lse = c_part + kRows * D;                                                    // [16]
-  for (int idx = threadIdx.x; idx < rows * D; idx += kThreads) {
-    const int row = idx / D, d = idx % D;
+  // Each thread merges 4 consecutive elements of one row (one row per warp at D = 128, so the
+  // row's m and l loads are broadcasts). Approximate ex2, rcp and lg2, as in the split merge:
+  // this loop is on every CTA's critical path.
+  constexpr int kVecW = 4;
+  for (int u = threadIdx.x; u < rows * (D / kVecW); u += kThreads) {
+    const int row = u / (D / kVecW), d0 = (u % (D / kVecW)) * kVecW;
     float m = -INFINITY;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) m = fmaxf(m, s_m[w][row]);
-    float l = 0.f, acc = 0.f;
+    float l = 0.f;
+    float val[kVecW] = {0.f, 0.f, 0.f, 0.f};
     if (m != -INFINITY) {
 #pragma unroll
       for (int w = 0; w < kWarps; ++w) {
-        const float f = exp2f(s_m[w][row] - m);
-        l += f * s_l[w][row];
-        acc += f * s_o[w][row][d];
+        const float f = fast_exp2(s_m[w][row] - m);  // 0 for a warp without tokens
+        l = __fmaf_rn(f, s_l[w][row], l);
+        merge_add4(val, f, *reinterpret_cast<const float4*>(&s_o[w][row][d0]));
       }
     }
-    const bool empty = !(l > 0.f);
-    const float val = empty ? 0.f : acc / l * v_static;
+    const bool empty = !(l > 0.f);  // l >= 1 otherwise: the reference m's own token has weight 1
+    const float scale = empty ? 0.f : __fdividef(v_static, l);
+#pragma unroll
+    for (int e = 0; e < kVecW; ++e) val[e] *= scale;
+    const float lse = empty ? -INFINITY : m + __log2f(l);
     const int64_t bh = static_cast<int64_t>(b) * p.num_q_heads + h0 + row;
     if (num_splits == 1) {
-      static_cast<T*>(p.out)[bh * D + d] = from_float<T>(val);
+      store_out4(static_cast<T*>(p.out) + bh * D + d0, val);
     } else if constexpr (kCluster) {
-      c_part[row * D + d] = val;  // read by the merge only where the lse is finite
-      if (d == 0) c_lse[row] = empty ? -INFINITY : m + log2f(l);
+      // read by the merge only where the lse is finite
+      *reinterpret_cast<float4*>(c_part + row * D + d0) = make_float4(val[0], val[1], val[2], val[3]);
+      if (d0 == 0) c_lse[row] = lse;
     } else {
-      if (!empty) p.partial_out[(bh * num_splits + split) * D + d] = val;
-      if (d == 0) p.partial_lse[bh * num_splits + split] = empty ? -INFINITY : m + log2f(l);
+      if (!empty) {
+        *reinterpret_cast<float4*>(p.partial_out + (bh * num_splits + split) * D + d0) =
+            make_float4(val[0], val[1], val[2], val[3]);
+      }
+      if (d0 == 0) p.partial_lse[bh * num_splits + split] = lse;
     }
   }
   if (num_splits == 1) return;
@@ -689,13 +752,14 @@ __global__ void __launch_bounds__(NW * 32, kMinBlocksPerSm<D, kTwoRows, NW>)
     // shared memory; after a cluster barrier (arrive.release / wait.acquire: the partials are
     // visible cluster-wide) every CTA merges a slice of the group's outputs, reading all splits'
     // partials from distributed shared memory, and a second barrier keeps each CTA's shared
-    // memory alive until its peers have read it. No workspace, fence, atomic or L2 round trip:
-    // the merge costs two cluster barriers and one round of DSMEM loads. Same arithmetic and
-    // split order as the other paths (bit-identical outputs).
+    // memory alive until its peers have read it. That one needs no memory ordering (a relaxed
+    // arrive): the reads it waits for have returned, their values are in the outputs stored
+    // before it; and with release semantics ptxas would wait for those output stores to reach L2
+    // (MEMBAR.ALL.GPU) before arriving. No workspace, fence, atomic or L2 round trip: the merge
+    // costs two cluster barriers and one round of DSMEM loads. Same arithmetic and split order as
+    // the other paths (bit-identical outputs).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    namespace cg = cooperative_groups;
-    cg::cluster_group cluster = cg::this_cluster();
-    cluster.sync();
+    cluster_sync_acq_rel();
     constexpr int kVec = 4;
     constexpr int kMaxS = kPagedDecodeMaxClusterSplits;
     const int units = rows * (D / kVec);
@@ -707,31 +771,34 @@ __global__ void __launch_bounds__(NW * 32, kMinBlocksPerSm<D, kTwoRows, NW>)
       float4 v[kMaxS];
 #pragma unroll
       for (int s = 0; s < kMaxS; ++s) {
+        lse[s] = -INFINITY;
+        v[s] = make_float4(0.f, 0.f, 0.f, 0.f);
         if (s < num_splits) {
-          lse[s] = *cluster.map_shared_rank(c_lse + row, s);
-          v[s] = *cluster.map_shared_rank(reinterpret_cast<float4*>(c_part + row * D + d0), s);
+          lse[s] = ld_dsmem(dsmem_addr(c_lse + row, s));
+          v[s] = ld_dsmem4(dsmem_addr(c_part + row * D + d0, s));
         }
       }
       float mx = -INFINITY;
 #pragma unroll
-      for (int s = 0; s < kMaxS; ++s)
-        if (s < num_splits) mx = fmaxf(mx, lse[s]);
+      for (int s = 0; s < kMaxS; ++s) mx = fmaxf(mx, lse[s]);
       float acc[kVec] = {0.f, 0.f, 0.f, 0.f};
       float wsum = 0.f;
       if (mx != -INFINITY) {
 #pragma unroll
         for (int s = 0; s < kMaxS; ++s) {
-          if (s >= num_splits || lse[s] == -INFINITY) continue;  // an empty split
+          if (lse[s] == -INFINITY) continue;  // an empty split (or s >= num_splits)
           const float w = merge_weight(lse[s], mx);
           wsum += w;
           merge_add4(acc, w, v[s]);
         }
       }
-      T* op = static_cast<T*>(p.out) + (static_cast<int64_t>(b) * p.num_q_heads + h0 + row) * D + d0;
+      const float inv = merge_inv(wsum);
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) op[e] = from_float<T>(merge_finish(acc[e], wsum));
+      for (int e = 0; e < kVec; ++e) acc[e] = merge_finish(acc[e], inv);
+      store_out4(static_cast<T*>(p.out) + (static_cast<int64_t>(b) * p.num_q_heads + h0 + row) * D + d0,
+                 acc);
     }
-    cluster.sync();
+    cluster_sync_relaxed();
 #endif
     return;
   }
@@ -816,9 +883,10 @@ __global__ void __launch_bounds__(NW * 32, kMinBlocksPerSm<D, kTwoRows, NW>)
         }
       }
     }
-    T* op = static_cast<T*>(p.out) + (bh0 + row) * D + d0;
+    const float inv = merge_inv(wsum);
 #pragma unroll
-    for (int e = 0; e < kVec; ++e) op[e] = from_float<T>(merge_finish(acc[e], wsum));
+    for (int e = 0; e < kVec; ++e) acc[e] = merge_finish(acc[e], inv);
+    store_out4(static_cast<T*>(p.out) + (bh0 + row) * D + d0, acc);
   }
 }
 
@@ -858,8 +926,9 @@ __global__ void __launch_bounds__(128) paged_decode_int8_reduce_kernel(const flo
     }
   }
   T* op = out + static_cast<int64_t>(row) * D + lane * E;
+  const float inv = merge_inv(wsum);
 #pragma unroll
-  for (int e = 0; e < E; ++e) op[e] = from_float<T>(merge_finish(acc[e], wsum));
+  for (int e = 0; e < E; ++e) op[e] = from_float<T>(merge_finish(acc[e], inv));
 }
 
 // The launch configuration of the cluster-merge kernel: clusters of num_splits CTAs along x.
