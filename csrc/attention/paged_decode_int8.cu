@@ -162,39 +162,65 @@ __device__ __forceinline__ void store_out4(T* p, const float (&v)[4]) {
 // ---- distributed shared memory (sm_90 thread-block clusters) -------------------------------------
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 // The address of this CTA's shared variable `p` in the shared memory of cluster rank `rank`.
-__device__ __forceinline__ uint32_t dsmem_addr(const void* p, uint32_t rank) {
+__device__ __forceinline__ uint32_t dsmem_addr(uint32_t smem, uint32_t rank) {
   uint32_t r;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n"
-               : "=r"(r)
-               : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(p))), "r"(rank));
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(smem), "r"(rank));
   return r;
 }
-__device__ __forceinline__ float ld_dsmem(uint32_t a) {
-  float v;
-  asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(a) : "memory");
-  return v;
-}
-__device__ __forceinline__ float4 ld_dsmem4(uint32_t a) {
-  float4 v;
-  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
-               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-               : "r"(a)
-               : "memory");
-  return v;
-}
-// Cluster barrier whose arrival releases this CTA's prior writes (shared and global) to the
-// cluster, and whose wait acquires the peers'. ptxas implements the release as MEMBAR.ALL.GPU:
-// it waits for this thread's outstanding global stores.
-__device__ __forceinline__ void cluster_sync_acq_rel() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
-  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
-// Cluster barrier without memory ordering: all CTAs of the cluster have arrived. Enough to keep a
-// CTA's shared memory alive until its peers have read it, when each peer's reads have returned
-// (their values used) before it arrives.
-__device__ __forceinline__ void cluster_sync_relaxed() {
+// The cluster barrier, split: a relaxed arrival (no memory ordering; with release semantics
+// ptxas emits a MEMBAR.ALL.GPU) and the wait for every CTA of the cluster to have arrived.
+__device__ __forceinline__ void cluster_arrive_relaxed() {
   asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() {
   asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
+}
+// Transaction-counting mbarriers (as TMA pipelines use them) and asynchronous remote stores.
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(arrivals)
+               : "memory");
+}
+// Makes the initialization visible to the cluster's st.async complete_tx (CUTLASS's
+// fence_barrier_init), ahead of a cluster barrier.
+__device__ __forceinline__ void fence_mbar_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)),
+               "r"(bytes)
+               : "memory");
+}
+// Waits for phase `parity` of `bar` to complete; acquires at cluster scope the remote writes that
+// completed it.
+__device__ __forceinline__ void mbar_wait_cluster(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT_%=:\n"
+      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT_%=;\n"
+      "}\n" ::"r"(smem_addr(bar)),
+      "r"(parity)
+      : "memory");
+}
+// Stores to shared memory of a cluster peer (addresses from dsmem_addr), each counted as its bytes
+// on the peer's mbarrier `bar` (a dsmem_addr as well). Fire and forget: the data comes from
+// registers, and the peer learns of it through its mbarrier.
+__device__ __forceinline__ void st_async4(uint32_t dst, const float4& v, uint32_t bar) {
+  asm volatile(
+      "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];\n" ::
+          "r"(dst),
+      "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w), "r"(bar)
+      : "memory");
+}
+__device__ __forceinline__ void st_async1(uint32_t dst, float v, uint32_t bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];\n" ::"r"(
+                   dst),
+               "r"(__float_as_uint(v)), "r"(bar)
+               : "memory");
 }
 #endif
 
@@ -236,18 +262,21 @@ constexpr int kPipeBytes = NW * kStages<D> * Stage<D>::kBytes;
 template <int D, bool kTwoRows, int NW>
 constexpr int kMergeBytes = NW * (kTwoRows ? 16 : 8) * (D + 4) * 4 + 2 * NW * 16 * 4;
 
-// The cluster merge's per-CTA partials, after the warp-merge buffers: O / l [kRows][D] and the
-// log2-sum-exp of each row [16].
+// The cluster merge's receive buffers (the cluster kernel's only), past the pipeline and the
+// warp-merge buffers: peers write them while this CTA may still be in its main loop. An mbarrier
+// (16 bytes), then for each source split `per` units of O / l (float4: 4 consecutive elements of
+// a row) and their rows' lse, where per = ceil(units / num_splits) <= units / 2 + 1 and units =
+// rows * D / 4.
 template <int D, bool kTwoRows>
-constexpr int kClusterPartBytes = (kTwoRows ? 16 : 8) * D * 4 + 16 * 4;
+constexpr int kRecvUnits = (kTwoRows ? 16 : 8) * D / 4 + kPagedDecodeMaxClusterSplits;
 
 template <int D, bool kTwoRows, int NW>
-constexpr int kMergeAndPartBytes = kMergeBytes<D, kTwoRows, NW> + kClusterPartBytes<D, kTwoRows>;
+constexpr int kBaseSmemBytes =
+    kPipeBytes<D, NW> > kMergeBytes<D, kTwoRows, NW> ? kPipeBytes<D, NW> : kMergeBytes<D, kTwoRows, NW>;
 
-template <int D, bool kTwoRows, int NW>
-constexpr int kSmemBytes = kPipeBytes<D, NW> > kMergeAndPartBytes<D, kTwoRows, NW>
-                               ? kPipeBytes<D, NW>
-                               : kMergeAndPartBytes<D, kTwoRows, NW>;
+template <int D, bool kTwoRows, int NW, bool kCluster>
+constexpr int kSmemBytes =
+    kBaseSmemBytes<D, kTwoRows, NW> + (kCluster ? 16 + kRecvUnits<D, kTwoRows> * (16 + 4) : 0);
 
 // ---- the split kernel ---------------------------------------------------------------------------
 // CTAs per SM the register budget is set for (D=128 with 16 query rows needs ~240 registers).
@@ -282,6 +311,30 @@ __global__ void __launch_bounds__(NW * 32, kMinBlocksPerSm<D, kTwoRows, NW>)
   const int h0 = kvh * G + hg * 16;
   const int rows = min(kRows, G - hg * 16);
   const int bs = p.block_size;
+  const int num_splits = p.num_splits;
+
+  // The cluster merge (see the end): this CTA (rank = split) merges the output units [u0, u1)
+  // (kUnit consecutive elements of a row each) of its group, which every split pushes into its
+  // receive buffers. Its mbarrier expects all their bytes; it is initialized before a (relaxed)
+  // cluster arrival here, and every CTA waits for that barrier before its first remote store,
+  // after its main loop.
+  constexpr int kUnit = 4;
+  const int units = rows * (D / kUnit);
+  const int u_per = (units + num_splits - 1) / num_splits;
+  const int u0 = min(units, split * u_per), u1 = min(units, u0 + u_per);
+  uint64_t* r_bar = reinterpret_cast<uint64_t*>(smem + kBaseSmemBytes<D, kTwoRows, NW>);
+  float4* r_part = reinterpret_cast<float4*>(smem + kBaseSmemBytes<D, kTwoRows, NW> + 16);
+  float* r_lse = reinterpret_cast<float*>(r_part + kRecvUnits<D, kTwoRows>);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if constexpr (kCluster) {
+    if (threadIdx.x == 0) {
+      mbar_init(r_bar, 1);
+      mbar_arrive_expect_tx(r_bar, static_cast<uint32_t>(num_splits * (u1 - u0) * (16 + 4)));
+      fence_mbar_init();
+    }
+    cluster_arrive_relaxed();
+  }
+#endif
 
   // The block ids of this warp's first 32 chunks, loaded before seq_len is known, so that the
   // two loads overlap instead of being two dependent round trips ahead of the first K/V load.
@@ -702,21 +755,19 @@ __global__ void __launch_bounds__(NW * 32, kMinBlocksPerSm<D, kTwoRows, NW>)
     }
   __syncthreads();
 
-  const int num_splits = p.num_splits;
-  // The cluster merge's partials of this CTA (see below), past the warp-merge buffers.
-  float* c_part = reinterpret_cast<float*>(smem + kMergeBytes<D, kTwoRows, kWarps>);  // [kRows][D]
-  float* c_lse = c_part + kRows * D;                                                    // [16]
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if constexpr (kCluster) cluster_wait();  // every peer's receive mbarrier is initialized
+#endif
   // Each thread merges 4 consecutive elements of one row (one row per warp at D = 128, so the
   // row's m and l loads are broadcasts). Approximate ex2, rcp and lg2, as in the split merge:
   // this loop is on every CTA's critical path.
-  constexpr int kVecW = 4;
-  for (int u = threadIdx.x; u < rows * (D / kVecW); u += kThreads) {
-    const int row = u / (D / kVecW), d0 = (u % (D / kVecW)) * kVecW;
+  for (int u = threadIdx.x; u < units; u += kThreads) {
+    const int row = u / (D / kUnit), d0 = (u % (D / kUnit)) * kUnit;
     float m = -INFINITY;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) m = fmaxf(m, s_m[w][row]);
     float l = 0.f;
-    float val[kVecW] = {0.f, 0.f, 0.f, 0.f};
+    float val[kUnit] = {0.f, 0.f, 0.f, 0.f};
     if (m != -INFINITY) {
 #pragma unroll
       for (int w = 0; w < kWarps; ++w) {
@@ -728,15 +779,21 @@ __global__ void __launch_bounds__(NW * 32, kMinBlocksPerSm<D, kTwoRows, NW>)
     const bool empty = !(l > 0.f);  // l >= 1 otherwise: the reference m's own token has weight 1
     const float scale = empty ? 0.f : __fdividef(v_static, l);
 #pragma unroll
-    for (int e = 0; e < kVecW; ++e) val[e] *= scale;
+    for (int e = 0; e < kUnit; ++e) val[e] *= scale;
     const float lse = empty ? -INFINITY : m + __log2f(l);
     const int64_t bh = static_cast<int64_t>(b) * p.num_q_heads + h0 + row;
     if (num_splits == 1) {
       store_out4(static_cast<T*>(p.out) + bh * D + d0, val);
     } else if constexpr (kCluster) {
-      // read by the merge only where the lse is finite
-      *reinterpret_cast<float4*>(c_part + row * D + d0) = make_float4(val[0], val[1], val[2], val[3]);
-      if (d0 == 0) c_lse[row] = lse;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+      // to the unit's owner, slot [split][u - its u0]; the partial is read only where the lse is
+      // finite
+      const int owner = u / u_per, slot = split * u_per + (u - owner * u_per);
+      const uint32_t bar = dsmem_addr(smem_addr(r_bar), owner);
+      st_async4(dsmem_addr(smem_addr(r_part + slot), owner),
+                make_float4(val[0], val[1], val[2], val[3]), bar);
+      st_async1(dsmem_addr(smem_addr(r_lse + slot), owner), lse, bar);
+#endif
     } else {
       if (!empty) {
         *reinterpret_cast<float4*>(p.partial_out + (bh * num_splits + split) * D + d0) =
@@ -748,25 +805,20 @@ __global__ void __launch_bounds__(NW * 32, kMinBlocksPerSm<D, kTwoRows, NW>)
   if (num_splits == 1) return;
   if constexpr (kCluster) {
     // ---- the cluster merge (sm_90): the num_splits CTAs of this (sequence, kv head, head group)
-    // are one thread-block cluster (rank = split). Each has its O / l and lse rows in its own
-    // shared memory; after a cluster barrier (arrive.release / wait.acquire: the partials are
-    // visible cluster-wide) every CTA merges a slice of the group's outputs, reading all splits'
-    // partials from distributed shared memory, and a second barrier keeps each CTA's shared
-    // memory alive until its peers have read it. That one needs no memory ordering (a relaxed
-    // arrive): the reads it waits for have returned, their values are in the outputs stored
-    // before it; and with release semantics ptxas would wait for those output stores to reach L2
-    // (MEMBAR.ALL.GPU) before arriving. No workspace, fence, atomic or L2 round trip: the merge
-    // costs two cluster barriers and one round of DSMEM loads. Same arithmetic and split order as
-    // the other paths (bit-identical outputs).
+    // are one thread-block cluster (rank = split). Each CTA owns the output units [u0, u1) of the
+    // group; above, every CTA pushed each unit of its O / l, with its row's lse, to the unit's
+    // owner (st.async into the owner's receive buffers, counted on its mbarrier). The owner waits
+    // for its mbarrier's phase to complete (all splits' bytes have landed), merges in the same
+    // split order and arithmetic as the other paths (bit-identical outputs) and stores. No
+    // workspace, atomic or L2 round trip, one wait instead of two cluster barriers, and no CTA
+    // reads a peer's shared memory, so none has to stay alive for its peers. (Until 2026-11-22
+    // each CTA kept its partials and every CTA read its slice from all peers between two cluster
+    // barriers: the first's release is a MEMBAR.ALL.GPU, ~1000 cycles for the last CTA to arrive.)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    cluster_sync_acq_rel();
-    constexpr int kVec = 4;
+    mbar_wait_cluster(r_bar, 0);
     constexpr int kMaxS = kPagedDecodeMaxClusterSplits;
-    const int units = rows * (D / kVec);
-    const int per = (units + num_splits - 1) / num_splits;
-    const int u0 = split * per, u1 = min(units, u0 + per);
     for (int u = u0 + threadIdx.x; u < u1; u += kThreads) {
-      const int row = u / (D / kVec), d0 = (u % (D / kVec)) * kVec;
+      const int row = u / (D / kUnit), d0 = (u % (D / kUnit)) * kUnit;
       float lse[kMaxS];
       float4 v[kMaxS];
 #pragma unroll
@@ -774,14 +826,14 @@ __global__ void __launch_bounds__(NW * 32, kMinBlocksPerSm<D, kTwoRows, NW>)
         lse[s] = -INFINITY;
         v[s] = make_float4(0.f, 0.f, 0.f, 0.f);
         if (s < num_splits) {
-          lse[s] = ld_dsmem(dsmem_addr(c_lse + row, s));
-          v[s] = ld_dsmem4(dsmem_addr(c_part + row * D + d0, s));
+          lse[s] = r_lse[s * u_per + (u - u0)];
+          v[s] = r_part[s * u_per + (u - u0)];
         }
       }
       float mx = -INFINITY;
 #pragma unroll
       for (int s = 0; s < kMaxS; ++s) mx = fmaxf(mx, lse[s]);
-      float acc[kVec] = {0.f, 0.f, 0.f, 0.f};
+      float acc[kUnit] = {0.f, 0.f, 0.f, 0.f};
       float wsum = 0.f;
       if (mx != -INFINITY) {
 #pragma unroll
@@ -794,11 +846,10 @@ __global__ void __launch_bounds__(NW * 32, kMinBlocksPerSm<D, kTwoRows, NW>)
       }
       const float inv = merge_inv(wsum);
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) acc[e] = merge_finish(acc[e], inv);
+      for (int e = 0; e < kUnit; ++e) acc[e] = merge_finish(acc[e], inv);
       store_out4(static_cast<T*>(p.out) + (static_cast<int64_t>(b) * p.num_q_heads + h0 + row) * D + d0,
                  acc);
     }
-    cluster_sync_relaxed();
 #endif
     return;
   }
@@ -943,7 +994,7 @@ __global__ void __launch_bounds__(128) paged_decode_int8_reduce_kernel(const flo
 template <typename T, int D, bool kTwoRows, bool kStatic, int NW, bool kCluster>
 cudaError_t split_config(const PagedDecodeInt8Params& p, dim3 grid, cudaStream_t stream,
                          cudaLaunchConfig_t* cfg, cudaLaunchAttribute* attrs) {
-  constexpr int smem = kSmemBytes<D, kTwoRows, NW>;
+  constexpr int smem = kSmemBytes<D, kTwoRows, NW, kCluster>;
   auto kernel = paged_decode_int8_kernel<T, D, kTwoRows, kStatic, NW, kCluster>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
