@@ -156,13 +156,16 @@ at::Tensor paged_decode_attention_int8_cuda(const at::Tensor& query, const at::T
   const int max_context = static_cast<int>(max_blocks * bs);
   int splits = static_cast<int>(num_splits);
   if (splits == 0) {
-    int sms = 0;
+    int sms = 0, major = 0;
     check_launch(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount,
+                                        query.device().index()),
+                 op);
+    check_launch(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor,
                                         query.device().index()),
                  op);
     splits = qops::attention::paged_decode_int8_num_splits(
         static_cast<int>(B), static_cast<int>(HQ), static_cast<int>(HKV), static_cast<int>(D),
-        max_context, sms);
+        max_context, sms, major >= 9 && cluster_merge_enabled());
   }
   splits = std::min(splits, qops::attention::kPagedDecodeMaxSplits);
   splits = std::max(1, std::min<int>(splits, static_cast<int>((max_context + 15) / 16)));

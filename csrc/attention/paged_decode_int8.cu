@@ -1100,15 +1100,17 @@ bool valid_params(const PagedDecodeInt8Params& p) {
 }  // namespace
 
 int paged_decode_int8_num_splits(int batch, int num_q_heads, int num_kv_heads, int head_dim,
-                                 int max_context, int num_sms) {
+                                 int max_context, int num_sms, bool cluster_merge) {
   if (batch <= 0 || num_kv_heads <= 0 || num_q_heads <= 0) return 1;
   const int G = num_q_heads / num_kv_heads;
   const int64_t ctas = static_cast<int64_t>(batch) * num_kv_heads * head_groups(G);
+  const int64_t sms = num_sms > 0 ? num_sms : 132;
   // Measured on H100 (bench/bench_decode_attention.py's num_splits sweep): at D = 128 the best
   // split count gives about one CTA per SM (more splits cost more than the extra parallelism
-  // brings); at D = 64 about one wave of 3 CTAs per SM.
-  const int64_t slots = static_cast<int64_t>(num_sms > 0 ? num_sms : 132) * (head_dim == 128 ? 1 : 3);
-  if (2 * ctas >= slots) return 1;  // the batch alone fills at least half of that
+  // brings); at D = 64 about one wave of 3 CTAs per SM. A batch with a CTA for half the SMs runs
+  // unsplit at either D (SmolLM2, B = 32: 96 CTAs; 25.4 us unsplit, 28.4 us at 4 splits).
+  const int64_t slots = sms * (head_dim == 128 ? 1 : 3);
+  if (2 * ctas >= sms) return 1;
   // at most `slots` CTAs (a partial second wave of equal CTAs costs a whole CTA time), and at
   // least kMinTokensPerSplit tokens per split (a split's fixed cost: block-table and Q loads,
   // pipeline fill, merge, its share of the split merge)
@@ -1117,6 +1119,15 @@ int paged_decode_int8_num_splits(int batch, int num_q_heads, int num_kv_heads, i
                          kMinTokensPerSplit;
   if (s > by_len) s = by_len;
   if (s > kPagedDecodeMaxSplits) s = kPagedDecodeMaxSplits;
+  // More splits than a cluster holds are merged through the workspace, ~2 us more per call than
+  // in the cluster (B = 1, 8 splits: 8.0 vs 10.1 us): not worth it unless a cluster's worth of
+  // splits would leave most SMs idle. Llama-3-8B GQA, B = 1, T = 16384 (8 kv heads): 8 splits,
+  // 64 CTAs, 18.7 us; 16 splits 20.5 us. SmolLM2, B = 1, T = 16384 (3 kv heads): 8 splits, 24
+  // CTAs, 12.0 us; 32 splits 10.7 us.
+  if (cluster_merge && s > kPagedDecodeMaxClusterSplits &&
+      3 * ctas * kPagedDecodeMaxClusterSplits >= sms) {
+    s = kPagedDecodeMaxClusterSplits;
+  }
   return s < 1 ? 1 : static_cast<int>(s);
 }
 
