@@ -1,12 +1,15 @@
 // Paged int8 KV-cache decode attention (flash-decoding split-K). See paged_decode_int8.h and
 // docs/kv_cache.md ("The decode kernel") for the design; in short:
 //
-// - One CTA of 4 warps per (sequence, kv head, group of <= 16 query heads, split). The split's
-//   16-token chunks are dealt round-robin to the warps; each warp keeps its own online softmax
-//   (m, l, O) and the CTA merges the 4 warps in shared memory at the end. With one split the CTA
-//   writes the output; with several it writes (O / l, log2-sum-exp) to a workspace and either
-//   the last CTA of its (sequence, kv head, head group) merges the splits (fused, one launch:
-//   a per-group counter, see "the fused split merge" below) or a second kernel does.
+// - One CTA of 4 warps (8 when the grid has at most one CTA per SM) per (sequence, kv head, group
+//   of <= 16 query heads, split). The split's 16-token chunks are dealt round-robin to the warps;
+//   each warp keeps its own online softmax (m, l, O) and the CTA merges its warps in shared memory
+//   at the end. With one split the CTA writes the output. With several (sm_90, <= 8) the splits
+//   run as one thread-block cluster and push their (O / l, log2-sum-exp) to the owners of the
+//   output slices (st.async + an mbarrier, "the cluster merge" below); otherwise they write them
+//   to a workspace and either the last CTA of its (sequence, kv head, head group) merges the
+//   splits (fused, one launch: a per-group counter, "the fused split merge") or a second kernel
+//   does.
 // - Per chunk, a warp computes S^T = K Q^T with mma.m16n8k16 (fp16 in, f32 accumulate): the
 //   chunk's 16 tokens in M, query heads in N (8 per n-tile; heads >= G are zero), head dim in K.
 //   int8 K converts exactly to fp16 (a byte-permute + one half2 subtract per 2 values); the head
