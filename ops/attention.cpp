@@ -156,6 +156,9 @@ at::Tensor paged_decode_attention_int8_cuda(const at::Tensor& query, const at::T
   const int max_context = static_cast<int>(max_blocks * bs);
   int splits = static_cast<int>(num_splits);
   if (splits == 0) {
+    // The count depends on the device only, not on QOPS_DECODE_CLUSTER_MERGE /
+    // QOPS_DECODE_FUSED_REDUCE: those choose how the splits are merged, and the three merges of
+    // the same splits give bit-identical outputs.
     int sms = 0, major = 0;
     check_launch(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount,
                                         query.device().index()),
@@ -165,7 +168,7 @@ at::Tensor paged_decode_attention_int8_cuda(const at::Tensor& query, const at::T
                  op);
     splits = qops::attention::paged_decode_int8_num_splits(
         static_cast<int>(B), static_cast<int>(HQ), static_cast<int>(HKV), static_cast<int>(D),
-        max_context, sms, major >= 9 && cluster_merge_enabled());
+        max_context, sms, /*cluster_merge=*/major >= 9);
   }
   splits = std::min(splits, qops::attention::kPagedDecodeMaxSplits);
   splits = std::max(1, std::min<int>(splits, static_cast<int>((max_context + 15) / 16)));
