@@ -268,8 +268,8 @@ constexpr int kMergeBytes = NW * (kTwoRows ? 16 : 8) * (D + 4) * 4 + 2 * NW * 16
 // The cluster merge's receive buffers (the cluster kernel's only), past the pipeline and the
 // warp-merge buffers: peers write them while this CTA may still be in its main loop. An mbarrier
 // (16 bytes), then for each source split `per` units of O / l (float4: 4 consecutive elements of
-// a row) and their rows' lse, where per = ceil(units / num_splits) <= units / 2 + 1 and units =
-// rows * D / 4.
+// a row) and their rows' lse, where units = rows * D / 4, per = ceil(units / num_splits), so
+// num_splits * per < units + num_splits <= kRecvUnits.
 template <int D, bool kTwoRows>
 constexpr int kRecvUnits = (kTwoRows ? 16 : 8) * D / 4 + kPagedDecodeMaxClusterSplits;
 
