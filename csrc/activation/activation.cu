@@ -114,7 +114,7 @@ __global__ void __launch_bounds__(fq::max_threads_for(NV* VEC), fq::min_blocks_f
         }
       }
     }
-    if (sync_cluster) fq::cluster_wait();  // peers may still read `part` until they arrive
+    if (sync_cluster) cluster_wait();  // peers may still read `part` until they arrive
   }
 }
 

@@ -162,26 +162,10 @@ __device__ __forceinline__ void store_out4(T* p, const float (&v)[4]) {
   *reinterpret_cast<uint2*>(p) = *reinterpret_cast<const uint2*>(t);
 }
 
-// ---- distributed shared memory (sm_90 thread-block clusters) -------------------------------------
+// ---- the cluster merge's mbarrier and remote stores (sm_90; cluster barriers, smem_addr and
+// dsmem_addr are in common/cuda_utils.cuh) ------------------------------------------------------
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-// The address of this CTA's shared variable `p` in the shared memory of cluster rank `rank`.
-__device__ __forceinline__ uint32_t dsmem_addr(uint32_t smem, uint32_t rank) {
-  uint32_t r;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(smem), "r"(rank));
-  return r;
-}
-// The cluster barrier, split: a relaxed arrival (no memory ordering; with release semantics
-// ptxas emits a MEMBAR.ALL.GPU) and the wait for every CTA of the cluster to have arrived.
-__device__ __forceinline__ void cluster_arrive_relaxed() {
-  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void cluster_wait() {
-  asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
-}
 // Transaction-counting mbarriers (as TMA pipelines use them) and asynchronous remote stores.
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
 __device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t arrivals) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(arrivals)
                : "memory");
@@ -393,7 +377,7 @@ __global__ void __launch_bounds__(NW * 32, kMinBlocksPerSm<D, kTwoRows, NW>)
   int bt_cache = 0;
 
   unsigned char* my_pipe = smem + warp * S * Stage<D>::kBytes;
-  const unsigned pipe_s = static_cast<unsigned>(__cvta_generic_to_shared(my_pipe));
+  const unsigned pipe_s = smem_addr(my_pipe);
   unsigned s_off[D / 32];  // stage offset of this lane's i-th 16-byte piece (see issue)
 #pragma unroll
   for (int i = 0; i < D / 32; ++i) {

@@ -29,6 +29,43 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #endif
 }
 
+// ---- thread-block clusters (sm_90) --------------------------------------------------------------
+// The 32-bit shared-window address of a shared variable (what PTX shared-memory operands take).
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+// The address of shared-window address `smem` of this CTA in the shared memory of cluster rank
+// `rank` (for ld/st.shared::cluster, st.async, remote mbarriers). sm_90 only.
+__device__ __forceinline__ uint32_t dsmem_addr(uint32_t smem, uint32_t rank) {
+  uint32_t r = smem;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(smem), "r"(rank));
+#endif
+  return r;
+}
+// The cluster barrier in its two halves; every thread of every CTA of the cluster arrives, then
+// waits until all have arrived (the wait acquires what the arrivals released). cluster_arrive()
+// releases the thread's prior writes, shared and global, to the cluster: ptxas implements that as
+// MEMBAR.ALL.GPU, which also waits for the thread's outstanding global stores.
+// cluster_arrive_relaxed() orders nothing: enough where the barrier only says "every CTA has got
+// this far" (peers' mbarriers are initialized; peers have used the values they read from this
+// CTA). No-ops below sm_90.
+__device__ __forceinline__ void cluster_arrive() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cluster_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#endif
+}
+
 // Appends the programmatic-stream-serialization attribute to `cfg`, whose attributes live in
 // `attrs` (room for one more entry). Harmless on devices without PDL (the runtime ignores it).
 inline void append_pdl_attribute(cudaLaunchConfig_t* cfg, cudaLaunchAttribute* attrs) {

@@ -219,16 +219,7 @@ __device__ __forceinline__ void row_reduce(float& sum, float& mx, float (*red)[3
 // cluster barrier every thread sums the partials of ranks 0..cluster-1 in rank order, so every CTA
 // of the row gets bitwise-identical results. The caller must call cluster_exit_wait() before it
 // exits (a peer may still be reading this CTA's partial); cluster_arrive() here releases it.
-__device__ __forceinline__ void cluster_arrive() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void cluster_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-#endif
-}
+// (cluster_arrive, cluster_wait, smem_addr, dsmem_addr: common/cuda_utils.cuh.)
 
 template <bool kSum, bool kMax>
 __device__ __forceinline__ void cluster_reduce(float& sum, float& mx, float* part, int cluster) {
@@ -239,11 +230,10 @@ __device__ __forceinline__ void cluster_reduce(float& sum, float& mx, float* par
   }
   cluster_arrive();
   cluster_wait();
-  const uint32_t local = static_cast<uint32_t>(__cvta_generic_to_shared(part));
+  const uint32_t local = smem_addr(part);
   float s = 0.0f, m = 0.0f;
   for (int r = 0; r < cluster; ++r) {
-    uint32_t remote;
-    asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(r));
+    const uint32_t remote = dsmem_addr(local, r);
     float ps, pm;
     asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(ps) : "r"(remote));
     asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(pm) : "r"(remote + 4));

@@ -162,7 +162,7 @@ __global__ void __launch_bounds__(norm_max_threads(NV* VEC), norm_min_blocks(NV*
       else
         store_row<T, VEC, NV, false>(o, zv, w, v0, v1, tid, tpr, rstd, qz);
     }
-    if (C > 1) fq::cluster_wait();  // peers may still read `part` until they arrive
+    if (C > 1) cluster_wait();  // peers may still read `part` until they arrive
   }
 }
 
