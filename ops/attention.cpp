@@ -155,11 +155,12 @@ at::Tensor paged_decode_attention_int8_cuda(const at::Tensor& query, const at::T
 
   const int max_context = static_cast<int>(max_blocks * bs);
   int splits = static_cast<int>(num_splits);
+  // The heuristic's count depends on the device only, not on QOPS_DECODE_CLUSTER_MERGE /
+  // QOPS_DECODE_FUSED_REDUCE: those choose how the splits are merged, and the three merges of the
+  // same splits give bit-identical outputs.
+  int major = 0;
   if (splits == 0) {
-    // The count depends on the device only, not on QOPS_DECODE_CLUSTER_MERGE /
-    // QOPS_DECODE_FUSED_REDUCE: those choose how the splits are merged, and the three merges of
-    // the same splits give bit-identical outputs.
-    int sms = 0, major = 0;
+    int sms = 0;
     check_launch(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount,
                                         query.device().index()),
                  op);
@@ -200,6 +201,10 @@ at::Tensor paged_decode_attention_int8_cuda(const at::Tensor& query, const at::T
   p.bf16 = query.scalar_type() == at::kBFloat16;
   // QOPS_DECODE_WARPS=4|8 forces the warps per CTA (an override for tests and sweeps).
   if (const char* w = std::getenv("QOPS_DECODE_WARPS")) p.warps = std::atoi(w);
+  if (num_splits == 0 && major >= 9) {  // fewer splits where only they fit the cluster merge
+    splits = qops::attention::paged_decode_int8_fit_cluster_splits(p, max_context);
+    p.num_splits = splits;
+  }
   p.no_pdl = !pdl_enabled();  // QOPS_PDL=0
 
   // How the splits are merged: in a thread-block cluster (no workspace), else fused into the

@@ -473,6 +473,10 @@ def _fused_vs_unfused(monkeypatch, lens, HQ, HKV, D, block_size=16, *, dtype=tor
     ([5000, 33], 9, 3, 64, torch.float16, False, False, 0),
     ([300, 2000], 32, 1, 128, torch.float16, False, False, 0),  # MQA: two head groups of 16
     ([2000], 32, 32, 128, torch.float16, False, False, 0),  # MHA, B=1
+    # MHA, B=1, T=4096 (Llama-2-7B shape): on an H100 the heuristic's 4 splits drop to 3, whose
+    # 3-CTA clusters all fit; the split count must not depend on the merge path
+    ([4096], 32, 32, 128, torch.bfloat16, False, False, 0),
+    ([4096, 4000, 3500, 17], 32, 8, 128, torch.float16, False, False, 0),  # GQA, 32 kv heads
     ([0, 1, 15, 16, 17, 700], 8, 2, 128, torch.float16, False, True, 2),
     ([0, 1, 15, 16, 17, 700], 8, 2, 128, torch.float16, False, True, 3),
     ([0, 1, 15, 16, 17, 700], 8, 2, 128, torch.bfloat16, False, False, 7),
