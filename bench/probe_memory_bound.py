@@ -11,7 +11,7 @@ Decode probes: Llama-3-8B GQA paged int8 decode (B = 1 by default, --decode-batc
 split counts, merges and warps per CTA, beside the heuristic's choice.
 
     python bench/probe_memory_bound.py [--out DIR] [--skip-stream] [--decode-batch 8 --decode-T 4096]
-    python bench/probe_memory_bound.py --ncu norm|add_norm|decode [--T T] [--splits S]
+    python bench/probe_memory_bound.py --ncu norm|add_norm|decode [--T T] [--splits S] [--model M --B B]
         (runs one case a few times eagerly, for `ncu -k ... --launch-skip 2 --launch-count 1`)
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ import sys
 import torch
 
 import qops
-from bench_decode_attention import int8_problem, merge_path  # bench/ is the script's directory
+from bench_decode_attention import MODELS, int8_problem, merge_path  # bench/ is the script's directory
 from qops.bench_utils import (bench_us, copy_bandwidth_gbps, env_vars, gbps, l2_rotation_sets,
                               print_table, write_csv)
 
@@ -130,9 +130,10 @@ def ncu_case(args):
             else:
                 qops.fused_add_rms_norm_quant(x, r, w, EPS)
     elif args.ncu == "decode":
-        a = decode_problem(1, T, 0)
+        HQ, HKV, D = MODELS[args.model]
+        a = int8_problem(args.B, HQ, HKV, D, [T] * args.B, 0)
         for _ in range(5):
-            qops.paged_decode_attention_int8(*a, GQA[2] ** -0.5, num_splits=args.splits)
+            qops.paged_decode_attention_int8(*a, D ** -0.5, num_splits=args.splits)
     else:
         raise SystemExit(f"unknown --ncu case {args.ncu!r}")
     torch.cuda.synchronize()
@@ -144,6 +145,9 @@ def main():
     ap.add_argument("--ncu", default=None, help="run one case eagerly for a profiler: norm, add_norm, decode")
     ap.add_argument("--T", type=int, default=4096)
     ap.add_argument("--splits", type=int, default=0)
+    ap.add_argument("--model", default="llama3-8b-gqa", choices=sorted(MODELS),
+                    help="decode shape of --ncu decode")
+    ap.add_argument("--B", type=int, default=1, help="batch of --ncu decode")
     ap.add_argument("--skip-stream", action="store_true")
     ap.add_argument("--skip-decode", action="store_true")
     ap.add_argument("--decode-batch", type=int, default=1, help="batch of the decode sweep (default 1)")
