@@ -32,6 +32,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <mutex>
@@ -41,9 +42,14 @@ namespace qops {
 namespace attention {
 namespace {
 
-// Warps per CTA: 4, or 8 when the grid has at most one CTA per SM (small batches: more warps per
-// SM without more splits).
+// The fewest tokens of a split the heuristic makes: a split's fixed cost (block-table and Q loads,
+// pipeline fill, warp merge, its share of the split merge) against its stream. The cluster merge
+// is cheap enough for one 16-token chunk per warp of an 8-warp CTA; the workspace merges are not.
 constexpr int kMinTokensPerSplit = 512;
+constexpr int kMinTokensPerClusterSplit = 128;
+// Beyond a cluster's worth of splits (through the workspace, ~2 us more per call), only when a
+// cluster's splits would still each stream more than this many tokens.
+constexpr int kMinTokensPerSplitPastCluster = 1024;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr unsigned kFull = 0xffffffffu;
 
@@ -1099,21 +1105,29 @@ int paged_decode_int8_num_splits(int batch, int num_q_heads, int num_kv_heads, i
   const int64_t slots = sms * (head_dim == 128 ? 1 : 3);
   if (2 * ctas >= sms) return 1;
   // at most `slots` CTAs (a partial second wave of equal CTAs costs a whole CTA time), and at
-  // least kMinTokensPerSplit tokens per split (a split's fixed cost: block-table and Q loads,
-  // pipeline fill, merge, its share of the split merge)
+  // least kMinTokensPerSplit (cluster merge: kMinTokensPerClusterSplit) tokens per split. Short
+  // contexts with the cluster merge (H100, forced splits, same run): Llama-3-8B GQA B = 1,
+  // T = 1024: 2 splits 6.7 us, 8 splits 5.2 us; SmolLM2 B = 1, T = 1024: 5.0 -> 3.5 us.
+  const int min_tokens = cluster_merge ? kMinTokensPerClusterSplit : kMinTokensPerSplit;
   int64_t s = slots / ctas;
-  const int64_t by_len = (static_cast<int64_t>(max_context) + kMinTokensPerSplit - 1) /
-                         kMinTokensPerSplit;
+  const int64_t by_len = (static_cast<int64_t>(max_context) + min_tokens - 1) / min_tokens;
   if (s > by_len) s = by_len;
   if (s > kPagedDecodeMaxSplits) s = kPagedDecodeMaxSplits;
   // More splits than a cluster holds are merged through the workspace, ~2 us more per call than
-  // in the cluster (B = 1, 8 splits: 8.0 vs 10.1 us): not worth it unless a cluster's worth of
-  // splits would leave most SMs idle. Llama-3-8B GQA, B = 1, T = 16384 (8 kv heads): 8 splits,
-  // 64 CTAs, 18.7 us; 16 splits 20.5 us. SmolLM2, B = 1, T = 16384 (3 kv heads): 8 splits, 24
-  // CTAs, 12.0 us; 32 splits 10.7 us.
-  if (cluster_merge && s > kPagedDecodeMaxClusterSplits &&
-      3 * ctas * kPagedDecodeMaxClusterSplits >= sms) {
-    s = kPagedDecodeMaxClusterSplits;
+  // in the cluster (B = 1, 8 splits: 8.0 vs 10.1 us): worth it only when a cluster's worth of
+  // splits would leave most SMs idle and still stream long splits. Llama-3-8B GQA, B = 1,
+  // T = 16384 (8 kv heads): 8 splits, 64 CTAs, 18.7 us; 16 splits 20.5 us. SmolLM2, B = 1 (3 kv
+  // heads, 24 CTAs at 8 splits): T = 16384, 8 splits 11.8 us, 32 splits 10.5; T = 4096, 8 splits
+  // 5.3 us, 16 splits 7.4.
+  if (cluster_merge && s > kPagedDecodeMaxClusterSplits) {
+    if (3 * ctas * kPagedDecodeMaxClusterSplits >= sms ||
+        max_context <= static_cast<int64_t>(kPagedDecodeMaxClusterSplits) *
+                           kMinTokensPerSplitPastCluster) {
+      s = kPagedDecodeMaxClusterSplits;
+    } else {  // the workspace merge's own floor (SmolLM2 B = 1, T = 16384: 128 splits 16.8 us)
+      s = std::min<int64_t>(s, (max_context + kMinTokensPerSplit - 1) / kMinTokensPerSplit);
+      s = std::max<int64_t>(s, kPagedDecodeMaxClusterSplits);
+    }
   }
   return s < 1 ? 1 : static_cast<int>(s);
 }

@@ -69,8 +69,9 @@ constexpr int kPagedDecodeMaxClusterSplits = 8;
 // The split-K factor the kernel would choose: one split when the batch has a CTA for at least
 // half of the `num_sms` SMs; otherwise as many as fit in one wave, with at least 512 tokens of
 // `max_context` (an upper bound of the sequence lengths) per split. With `cluster_merge` (the
-// device can merge splits in a thread-block cluster: sm_90), at most a cluster's worth
-// (kPagedDecodeMaxClusterSplits) unless that leaves more than two thirds of the SMs idle.
+// device can merge splits in a thread-block cluster: sm_90), at least 128 tokens per split and at
+// most a cluster's worth (kPagedDecodeMaxClusterSplits), unless that leaves more than two thirds
+// of the SMs idle with more than 1024 tokens per split.
 int paged_decode_int8_num_splits(int batch, int num_q_heads, int num_kv_heads, int head_dim,
                                  int max_context, int num_sms, bool cluster_merge);
 
