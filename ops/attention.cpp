@@ -201,17 +201,24 @@ at::Tensor paged_decode_attention_int8_cuda(const at::Tensor& query, const at::T
   p.bf16 = query.scalar_type() == at::kBFloat16;
   // QOPS_DECODE_WARPS=4|8 forces the warps per CTA (an override for tests and sweeps).
   if (const char* w = std::getenv("QOPS_DECODE_WARPS")) p.warps = std::atoi(w);
-  if (num_splits == 0 && major >= 9) {  // fewer splits where only they fit the cluster merge
-    splits = qops::attention::paged_decode_int8_fit_cluster_splits(p, max_context);
-    p.num_splits = splits;
-  }
   p.no_pdl = !pdl_enabled();  // QOPS_PDL=0
 
   // How the splits are merged: in a thread-block cluster (no workspace), else fused into the
-  // split kernel through a workspace and counters, else by a second kernel.
+  // split kernel through a workspace and counters, else by a second kernel. Whether the clusters
+  // fit is asked once; where the heuristic's don't, a few splits fewer may (the count must not
+  // depend on QOPS_DECODE_CLUSTER_MERGE, so this runs whether or not the merge is enabled).
+  const bool cluster_enabled = cluster_merge_enabled();
+  const bool auto_sm90 = num_splits == 0 && major >= 9;
+  bool fits = splits > 1 && (cluster_enabled || auto_sm90) &&
+              qops::attention::paged_decode_int8_cluster_merge_fits(p);
+  if (auto_sm90 && splits > 1 && !fits) {
+    const int fitted = qops::attention::paged_decode_int8_fit_cluster_splits(p, max_context);
+    fits = fitted != splits;
+    splits = fitted;
+    p.num_splits = splits;
+  }
   at::Tensor workspace;
-  p.cluster_merge = splits > 1 && cluster_merge_enabled() &&
-                    qops::attention::paged_decode_int8_cluster_merge_fits(p);
+  p.cluster_merge = fits && cluster_enabled;
   const int64_t ws = p.cluster_merge ? 0
                                      : qops::attention::paged_decode_int8_workspace_floats(
                                            static_cast<int>(B), static_cast<int>(HQ),

@@ -1125,8 +1125,8 @@ int paged_decode_int8_num_splits(int batch, int num_q_heads, int num_kv_heads, i
                            kMinTokensPerSplitPastCluster) {
       s = kPagedDecodeMaxClusterSplits;
     } else {  // the workspace merge's own floor (SmolLM2 B = 1, T = 16384: 128 splits 16.8 us)
+      // (at least 8: max_context > 8 * kMinTokensPerSplitPastCluster here)
       s = std::min<int64_t>(s, (max_context + kMinTokensPerSplit - 1) / kMinTokensPerSplit);
-      s = std::max<int64_t>(s, kPagedDecodeMaxClusterSplits);
     }
   }
   return s < 1 ? 1 : static_cast<int>(s);
@@ -1193,7 +1193,7 @@ bool paged_decode_int8_cluster_merge_fits(const PagedDecodeInt8Params& q) {
 
 int paged_decode_int8_fit_cluster_splits(const PagedDecodeInt8Params& q, int max_context) {
   const int s = q.num_splits;
-  if (s < 3 || s > kPagedDecodeMaxClusterSplits || paged_decode_int8_cluster_merge_fits(q)) return s;
+  if (s < 3 || s > kPagedDecodeMaxClusterSplits) return s;
   // Measured on H100 (Llama-2-7B MHA at B = 1, 32 clusters; 4-CTA clusters of the one-CTA-per-SM
   // kernel do not all fit, 3-CTA ones do): T = 4096, 3 splits in clusters 17.8 us, 4 through the
   // workspace 19.0 us; T = 16384: 57.7 against 55.0 us, so long contexts keep the splits.

@@ -89,9 +89,10 @@ int64_t paged_decode_int8_num_counters(int batch, int num_q_heads, int num_kv_he
 // can be resident at once (cudaOccupancyMaxActiveClusters, cached per kernel configuration).
 bool paged_decode_int8_cluster_merge_fits(const PagedDecodeInt8Params& p);
 
-// The heuristic's split count p.num_splits, adjusted for the cluster merge on this device: where
-// the clusters of p.num_splits CTAs do not all fit at once (the launch would take the workspace
-// merge) but those of a few splits fewer do, and the context is short, the fewer splits. Short:
+// The heuristic's split count p.num_splits, adjusted for the cluster merge on this device; for a
+// p whose clusters do not all fit at once (paged_decode_int8_cluster_merge_fits(p) is false: the
+// launch would take the workspace merge). Where those of a few splits fewer do, and the context is
+// short, the fewer splits; else p.num_splits. Short:
 // at most kClusterFitTokens of `max_context` per split, where the workspace merge's fixed cost
 // (~1-2 us) is more than the stream loses to a quarter fewer CTAs. Depends on the device only (as
 // the heuristic's count must: the merge paths are bit-identical only for equal split counts).
