@@ -6,6 +6,7 @@ independently of qops.attention.decode_attention_reference (which is vectorized 
 from __future__ import annotations
 
 import math
+import re
 import subprocess
 import sys
 import textwrap
@@ -490,6 +491,12 @@ def _fused_vs_unfused(monkeypatch, lens, HQ, HKV, D, block_size=16, *, dtype=tor
     ([1025, 64], 32, 32, 128, torch.float16, False, True, 8),
     ([3000, 16], 32, 1, 64, torch.bfloat16, False, False, 8),  # MQA: 2 head groups of 16 rows
     ([3000, 16], 32, 8, 128, torch.float16, False, False, 17),
+    # past the portable cluster size (sm_90: up to 16 CTAs per cluster where the clusters fit):
+    # SmolLM2 at B = 1 (the heuristic's 16 splits), one kv head at B = 1 (16), forced 13 and 12
+    ([4096], 9, 3, 64, torch.float16, False, False, 0),
+    ([3000], 8, 1, 128, torch.bfloat16, False, True, 0),
+    ([2500], 9, 3, 64, torch.bfloat16, True, False, 13),
+    ([1900, 37], 8, 1, 128, torch.float16, False, False, 12),
 ])
 def test_gpu_small_fused_merge_matches_unfused(monkeypatch, case):
     lens, HQ, HKV, D, dtype, static, alibi, ns = case
@@ -498,6 +505,44 @@ def test_gpu_small_fused_merge_matches_unfused(monkeypatch, case):
     for b, L in enumerate(lens):
         if L == 0:
             assert bool((out[b] == 0).all())
+
+
+def _decode_kernel_names(fn):
+    """Names of the CUDA kernels `fn` launches (torch.profiler); None without CUPTI."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.events() if "paged_decode_int8" in e.name]
+    except Exception:  # noqa: BLE001 - no usable profiler: the caller skips
+        return None
+    return names or None
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("lens,HQ,HKV,D,ns", [
+    ([4096], 9, 3, 64, 0),  # SmolLM2, B = 1: the heuristic's 16 splits
+    ([3000], 8, 1, 128, 0),  # one kv head, B = 1: 16 splits
+    ([2500], 9, 3, 64, 13),
+])
+def test_gpu_wide_cluster_merge_runs(monkeypatch, lens, HQ, HKV, D, ns):
+    """On sm_90 these run as one cluster kernel of 9-16 CTAs per cluster (non-portable size), with
+    no workspace merge or second kernel; the bit-identity with the other merges is checked above."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the cluster merge needs sm_90")
+    _, _, dev, sm, _, _ = _gpu_inputs(lens, HQ, HKV, D, 16, dtype=torch.float16, static=False,
+                                      alibi=False, seed=3)
+    monkeypatch.delenv(CLUSTER_ENV, raising=False)
+    names = _decode_kernel_names(lambda: qops.paged_decode_attention_int8(*dev, sm, num_splits=ns))
+    if names is None:
+        pytest.skip("torch.profiler records no CUDA kernels here")
+    assert len(names) == 1 and "reduce" not in names[0], names
+    # the kernel's last template argument is kCluster
+    assert re.search(r"paged_decode_int8_kernel<[^>]*,\s*(true|1)>", names[0]), names
 
 
 @pytest.mark.gpu

@@ -47,9 +47,6 @@ namespace {
 // is cheap enough for one 16-token chunk per warp of an 8-warp CTA; the workspace merges are not.
 constexpr int kMinTokensPerSplit = 512;
 constexpr int kMinTokensPerClusterSplit = 128;
-// Beyond a cluster's worth of splits (through the workspace, ~2 us more per call), only when a
-// cluster's splits would still each stream more than this many tokens.
-constexpr int kMinTokensPerSplitPastCluster = 1024;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr unsigned kFull = 0xffffffffu;
 
@@ -999,6 +996,10 @@ cudaError_t split_config(const PagedDecodeInt8Params& p, dim3 grid, cudaStream_t
   cfg->attrs = attrs;
   cfg->numAttrs = 0;
   if (kCluster) {
+    if (p.num_splits > kPagedDecodePortableClusterSplits) {
+      err = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+      if (err != cudaSuccess) return err;
+    }
     cudaLaunchAttribute& a = attrs[cfg->numAttrs++];
     a.id = cudaLaunchAttributeClusterDimension;
     a.val.clusterDim.x = static_cast<unsigned>(p.num_splits);
@@ -1113,19 +1114,22 @@ int paged_decode_int8_num_splits(int batch, int num_q_heads, int num_kv_heads, i
   const int64_t by_len = (static_cast<int64_t>(max_context) + min_tokens - 1) / min_tokens;
   if (s > by_len) s = by_len;
   if (s > kPagedDecodeMaxSplits) s = kPagedDecodeMaxSplits;
-  // More splits than a cluster holds are merged through the workspace, ~2 us more per call than
-  // in the cluster (B = 1, 8 splits: 8.0 vs 10.1 us): worth it only when a cluster's worth of
-  // splits would leave most SMs idle and still stream long splits. Llama-3-8B GQA, B = 1,
-  // T = 16384 (8 kv heads): 8 splits, 64 CTAs, 18.7 us; 16 splits 20.5 us. SmolLM2, B = 1 (3 kv
-  // heads, 24 CTAs at 8 splits): T = 16384, 8 splits 11.8 us, 32 splits 10.5; T = 4096, 8 splits
-  // 5.3 us, 16 splits 7.4.
-  if (cluster_merge && s > kPagedDecodeMaxClusterSplits) {
-    if (3 * ctas * kPagedDecodeMaxClusterSplits >= sms ||
-        max_context <= static_cast<int64_t>(kPagedDecodeMaxClusterSplits) *
-                           kMinTokensPerSplitPastCluster) {
-      s = kPagedDecodeMaxClusterSplits;
+  // Past a portable cluster's 8 splits: where 16 splits of every group fit one CTA per SM (at
+  // most 8 kv-head groups on an H100: SmolLM2 or a tensor-parallel slice of a GQA model at small
+  // batch), up to 16 splits in one non-portable cluster; where those clusters do not all fit at
+  // once (an H100 holds about one 16-CTA cluster per GPC), the glue's fit step
+  // (paged_decode_int8_fit_cluster_splits) lowers the count to one that does, down to 8. H100,
+  // SmolLM2 B = 1 (3 kv heads), same run: T = 4096, 8 splits 5.31 us, 16 in clusters 4.55;
+  // T = 16384, 16 in clusters 7.83 us, 32 through the workspace 10.73, 8 in clusters 12.7; one kv
+  // head at B = 1, T = 4096: 6.45 -> 5.32 us. Elsewhere 8, or for very long contexts more through
+  // the workspace (~2 us more per call than in a cluster: B = 1, 8 splits 8.0 vs 10.1 us).
+  if (cluster_merge && s > kPagedDecodePortableClusterSplits) {
+    if (ctas * kPagedDecodeMaxClusterSplits > sms) {
+      s = kPagedDecodePortableClusterSplits;
+    } else if (max_context <= static_cast<int64_t>(kPagedDecodeMaxClusterSplits) *
+                                  kClusterFitTokens) {
+      s = std::min<int64_t>(s, kPagedDecodeMaxClusterSplits);
     } else {  // the workspace merge's own floor (SmolLM2 B = 1, T = 16384: 128 splits 16.8 us)
-      // (at least 8: max_context > 8 * kMinTokensPerSplitPastCluster here)
       s = std::min<int64_t>(s, (max_context + kMinTokensPerSplit - 1) / kMinTokensPerSplit);
     }
   }
@@ -1194,11 +1198,14 @@ bool paged_decode_int8_cluster_merge_fits(const PagedDecodeInt8Params& q) {
 int paged_decode_int8_fit_cluster_splits(const PagedDecodeInt8Params& q, int max_context) {
   const int s = q.num_splits;
   if (s < 3 || s > kPagedDecodeMaxClusterSplits) return s;
+  // down to three quarters of s, or, past a portable cluster, to a portable cluster
+  const int lowest = s > kPagedDecodePortableClusterSplits ? kPagedDecodePortableClusterSplits
+                                                           : (3 * s + 3) / 4;
   // Measured on H100 (Llama-2-7B MHA at B = 1, 32 clusters; 4-CTA clusters of the one-CTA-per-SM
   // kernel do not all fit, 3-CTA ones do): T = 4096, 3 splits in clusters 17.8 us, 4 through the
   // workspace 19.0 us; T = 16384: 57.7 against 55.0 us, so long contexts keep the splits.
   PagedDecodeInt8Params p = q;
-  for (int t = s - 1; 4 * t >= 3 * s; --t) {
+  for (int t = s - 1; t >= lowest; --t) {
     if ((max_context + t - 1) / t > kClusterFitTokens) break;
     p.num_splits = t;
     if (paged_decode_int8_cluster_merge_fits(p)) return t;

@@ -61,17 +61,20 @@ struct PagedDecodeInt8Params {
 
 constexpr int kPagedDecodeMaxSplits = 128;
 // The most splits the cluster merge takes: one cluster per (sequence, kv head, head group), of at
-// most the portable cluster size. (H100 allows 16 with an opt-in, but 16-CTA clusters of the
-// 8-warp kernel, one CTA per SM, co-schedule poorly: 1.4x slower than 16 splits merged through a
-// workspace at B = 1, T = 4096, Llama-3-8B GQA, bench/probe_memory_bound.py.)
-constexpr int kPagedDecodeMaxClusterSplits = 8;
+// most the non-portable cluster size an H100 allows (16; the launch opts in past the portable 8).
+// Few clusters of 9-16 one-CTA-per-SM CTAs fit at once (an H100 GPC has 16-18 SMs): the
+// heuristic asks for them only where 16 CTAs per group fit the SMs (SmolLM2 at B = 1: 3 groups),
+// and paged_decode_int8_cluster_merge_fits checks that they fit.
+constexpr int kPagedDecodeMaxClusterSplits = 16;
+constexpr int kPagedDecodePortableClusterSplits = 8;
 
 // The split-K factor the kernel would choose: one split when the batch has a CTA for at least
 // half of the `num_sms` SMs; otherwise as many as fit in one wave, with at least 512 tokens of
 // `max_context` (an upper bound of the sequence lengths) per split. With `cluster_merge` (the
 // device can merge splits in a thread-block cluster: sm_90), at least 128 tokens per split and at
-// most a cluster's worth (kPagedDecodeMaxClusterSplits), unless that leaves more than two thirds
-// of the SMs idle with more than 1024 tokens per split.
+// most a portable cluster's worth (8); where 16 splits of every (sequence, kv head, head group)
+// fit `num_sms` CTAs, up to kPagedDecodeMaxClusterSplits (16) in a cluster, or for contexts longer
+// than 16 * kClusterFitTokens more through the workspace.
 int paged_decode_int8_num_splits(int batch, int num_q_heads, int num_kv_heads, int head_dim,
                                  int max_context, int num_sms, bool cluster_merge);
 
@@ -91,8 +94,9 @@ bool paged_decode_int8_cluster_merge_fits(const PagedDecodeInt8Params& p);
 
 // The heuristic's split count p.num_splits, adjusted for the cluster merge on this device; for a
 // p whose clusters do not all fit at once (paged_decode_int8_cluster_merge_fits(p) is false: the
-// launch would take the workspace merge). Where those of a few splits fewer do, and the context is
-// short, the fewer splits; else p.num_splits. Short:
+// launch would take the workspace merge). Where those of a few splits fewer do (down to three
+// quarters of p.num_splits, or to 8 from past 8), and the context is short, the fewer splits; else
+// p.num_splits. Short:
 // at most kClusterFitTokens of `max_context` per split, where the workspace merge's fixed cost
 // (~1-2 us) is more than the stream loses to a quarter fewer CTAs. Depends on the device only (as
 // the heuristic's count must: the merge paths are bit-identical only for equal split counts).
