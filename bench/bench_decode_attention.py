@@ -50,7 +50,7 @@ def merge_policy() -> str:
         v, "fused for head_dim 128 and contexts >= 4096, else two kernels")
     if c == "0":
         return base
-    return f"cluster merge where the splits fit a cluster (<= 8), else {base}"
+    return f"cluster merge where the splits fit a cluster (<= 16), else {base}"
 
 
 def merge_path(path: str):

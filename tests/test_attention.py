@@ -485,7 +485,8 @@ def _fused_vs_unfused(monkeypatch, lens, HQ, HKV, D, block_size=16, *, dtype=tor
     ([700, 1, 90], 12, 1, 64, torch.bfloat16, False, False, 5),  # 12 rows in one group
     ([130, 257, 5], 8, 2, 128, torch.float16, True, False, 4),  # static scales
     ([0, 0], 8, 2, 128, torch.float16, False, False, 2),  # every split empty -> zeros
-    # the cluster merge: 8 splits (its limit), 16 and 17 (merged through a workspace)
+    # the cluster merge: 8 splits (the portable limit), 16 (a cluster where it fits) and 17 (merged
+    # through a workspace)
     ([4097, 2000], 32, 8, 128, torch.bfloat16, False, False, 16),
     ([4097, 3, 900], 9, 3, 64, torch.float16, True, False, 16),
     ([1025, 64], 32, 32, 128, torch.float16, False, True, 8),
