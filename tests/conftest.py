@@ -52,3 +52,19 @@ def poison_cuda_allocator(nbytes: int = 64 << 20) -> None:
     an element a kernel forgets to write then shows up as a mismatch."""
     if HAS_CUDA:
         torch.empty(nbytes, dtype=torch.uint8, device="cuda").fill_(0xA5)
+
+
+def cuda_kernel_names(fn, contains: str):
+    """Names of the CUDA kernels `fn` launches whose name contains `contains` (torch.profiler);
+    None when the profiler records no such kernels here (no CUPTI): the caller skips."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.events() if contains in e.name]
+    except Exception:  # noqa: BLE001 - no usable profiler: the caller skips
+        return None
+    return names or None

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import qops
-from conftest import poison_cuda_allocator
+from conftest import cuda_kernel_names, poison_cuda_allocator
 from qops.attention import alibi_slopes, decode_attention_reference
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -508,21 +508,6 @@ def test_gpu_small_fused_merge_matches_unfused(monkeypatch, case):
             assert bool((out[b] == 0).all())
 
 
-def _decode_kernel_names(fn):
-    """Names of the CUDA kernels `fn` launches (torch.profiler); None without CUPTI."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    try:
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            fn()
-            torch.cuda.synchronize()
-        names = [e.name for e in prof.events() if "paged_decode_int8" in e.name]
-    except Exception:  # noqa: BLE001 - no usable profiler: the caller skips
-        return None
-    return names or None
-
-
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("lens,HQ,HKV,D,ns", [
@@ -538,7 +523,8 @@ def test_gpu_wide_cluster_merge_runs(monkeypatch, lens, HQ, HKV, D, ns):
     _, _, dev, sm, _, _ = _gpu_inputs(lens, HQ, HKV, D, 16, dtype=torch.float16, static=False,
                                       alibi=False, seed=3)
     monkeypatch.delenv(CLUSTER_ENV, raising=False)
-    names = _decode_kernel_names(lambda: qops.paged_decode_attention_int8(*dev, sm, num_splits=ns))
+    names = cuda_kernel_names(lambda: qops.paged_decode_attention_int8(*dev, sm, num_splits=ns),
+                              "paged_decode_int8")
     if names is None:
         pytest.skip("torch.profiler records no CUDA kernels here")
     assert len(names) == 1 and "reduce" not in names[0], names

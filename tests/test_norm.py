@@ -11,6 +11,8 @@ import torch
 import qops
 from qops.norm import _fused_add_rms_norm_quant_ref, _rms_norm_quant_ref
 
+from conftest import cuda_kernel_names
+
 FLOOR = 1e-10
 HALF = [torch.float16, torch.bfloat16]
 
@@ -512,22 +514,6 @@ def test_cuda_variant_env_errors(monkeypatch):
     qops.rms_norm_quant(x, w, 1e-6)
 
 
-def _kernel_names(fn):
-    """Names of the CUDA kernels `fn` launches (torch.profiler); None when the profiler records no
-    kernels here (no CUPTI)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    try:
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            fn()
-            torch.cuda.synchronize()
-        names = [e.name for e in prof.events() if "norm_quant" in e.name]
-    except Exception:  # noqa: BLE001 - no usable profiler: the caller skips
-        return None
-    return names or None
-
-
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("fused", [False, True])
@@ -539,8 +525,8 @@ def test_cuda_variant_selection(monkeypatch, fused):
 
     def run(T, H=4096):
         x, r, w = make_cuda(T, H, torch.bfloat16)
-        return _kernel_names(lambda: qops.fused_add_rms_norm_quant(x, r, w, 1e-6) if fused
-                             else qops.rms_norm_quant(x, w, 1e-6))
+        return cuda_kernel_names(lambda: qops.fused_add_rms_norm_quant(x, r, w, 1e-6) if fused
+                                 else qops.rms_norm_quant(x, w, 1e-6), "norm_quant")
 
     def kind(names):
         kinds = {"pipelined" if "rms_norm_quant_pipe_kernel" in n else "rowres" for n in names}
