@@ -61,7 +61,7 @@ def _runner(make_call: Callable[[int], Callable[[], object]], n_sets: int, use_g
     replay when ``use_graph``) and the number of calls it makes.
 
     The graph calls the sets in turn (0, 1, ..., n_sets - 1, 0, 1, ...), so consecutive calls
-    never share inputs, and repeats that sequence until a replay takes about GRAPH_MIN_US: the
+    never share inputs (given n_sets >= 2), and repeats that sequence until a replay takes about GRAPH_MIN_US: the
     replay's own launch latency (it starts after the host submits it, some microseconds after
     the start event) is then not charged to the calls, as in a model's decode graph of many
     kernels. Each set is called equally often."""
