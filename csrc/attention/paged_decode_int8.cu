@@ -246,6 +246,14 @@ struct Stage {
 template <int D>
 constexpr int kStages = D == 128 ? 4 : 6;
 
+// Chunks a warp computes per main-loop step: two at D = 64, so that a step's loop control,
+// rescale vote and max reduction cover 32 tokens and its two S^T and P V chains overlap (H100,
+// same-run A/B against one chunk per step: SmolLM2 0.7-4% faster at B = 1-128; at D = 128 with
+// 8 warps the same change was 0-3% slower, and the 4-warp D = 128 builds have no registers to
+// spare).
+template <int D>
+constexpr int kChunksPerStep = D == 64 ? 2 : 1;
+
 template <int D, int NW>
 constexpr int kPipeBytes = NW * kStages<D> * Stage<D>::kBytes;
 
@@ -286,6 +294,7 @@ __global__ void __launch_bounds__(NW * 32, kMinBlocksPerSm<D, kTwoRows, NW>)
   constexpr int kRows = kTwoRows ? 16 : 8;
   constexpr int kPad = 4;
   constexpr int S = kStages<D>;
+  constexpr int NC = kChunksPerStep<D>;
   extern __shared__ __align__(16) unsigned char smem[];
 
   // Programmatic dependent launch (when the launch allows it, see split_config): wait for the
@@ -461,11 +470,11 @@ __global__ void __launch_bounds__(NW * 32, kMinBlocksPerSm<D, kTwoRows, NW>)
     x.ok = (ok_mask >> st) & 1u;
   };
 
-  // ---- the pipeline's prologue: this warp's chunks c_begin + warp + i * kWarps, S - 1 in flight
+  // ---- the pipeline's prologue: this warp's chunks c_begin + warp + i * kWarps, S - NC in flight
   const int first = c_begin + warp;
   const int my_n = first < c_end ? (c_end - first + kWarps - 1) / kWarps : 0;
 #pragma unroll
-  for (int i = 0; i < S - 1; ++i) {
+  for (int i = 0; i < S - NC; ++i) {
     if (i < my_n) issue(first + i * kWarps, i, i);
     cp_async_commit();
   }
@@ -555,51 +564,63 @@ __global__ void __launch_bounds__(NW * 32, kMinBlocksPerSm<D, kTwoRows, NW>)
 #pragma unroll
     for (int h = 0; h < NH; ++h) o[i][h][0] = o[i][h][1] = o[i][h][2] = o[i][h][3] = 0.f;
 
-  auto compute = [&](const Chunk<D>& x, int c) {
-    // S^T = K Q^T for the chunk's 16 tokens (m: token gid (regs 0, 1) and gid + 8 (regs 2, 3))
+  // One main-loop step: NC chunks (c[q]: chunk index, x[q]: its fragments; x[q].ok false for a
+  // chunk past this warp's range, which then counts for nothing). Their scores share one rescale
+  // vote and one max reduction, and their S^T and P V products are independent chains.
+  auto compute = [&](const Chunk<D> (&x)[NC], const int (&c)[NC]) {
+    // S^T = K Q^T for each chunk's 16 tokens (m: token gid (regs 0, 1) and gid + 8 (regs 2, 3))
     // and the query heads (n: 8h + 2*t4 + {0 (regs 0, 2), 1 (regs 1, 3)}); K's int8 rows gid and
     // gid + 8 convert exactly to the A fragments.
-    float s[NH][4];
+    float s[NC][NH][4];
 #pragma unroll
-    for (int h = 0; h < NH; ++h) s[h][0] = s[h][1] = s[h][2] = s[h][3] = 0.f;
-    {
-      const uint32_t* k0 = reinterpret_cast<const uint32_t*>(&x.k[0][0]);
-      const uint32_t* k1 = reinterpret_cast<const uint32_t*>(&x.k[1][0]);
+    for (int q = 0; q < NC; ++q)
+#pragma unroll
+      for (int h = 0; h < NH; ++h) s[q][h][0] = s[q][h][1] = s[q][h][2] = s[q][h][3] = 0.f;
+#pragma unroll
+    for (int q = 0; q < NC; ++q) {
+      const uint32_t* k0 = reinterpret_cast<const uint32_t*>(&x[q].k[0][0]);
+      const uint32_t* k1 = reinterpret_cast<const uint32_t*>(&x[q].k[1][0]);
 #pragma unroll
       for (int kc = 0; kc < KC; ++kc) {
         uint32_t a[4];
         i8x4_to_f16x2x2(k0[kc], a[0], a[2]);
         i8x4_to_f16x2x2(k1[kc], a[1], a[3]);
 #pragma unroll
-        for (int h = 0; h < NH; ++h) mma_f16(s[h], a, qb[h][kc][0], qb[h][kc][1]);
+        for (int h = 0; h < NH; ++h) mma_f16(s[q][h], a, qb[h][kc][0], qb[h][kc][1]);
       }
     }
     // scale, bias, mask; whether any head's reference or the P scale must move
-    const int j0 = (c << 4) + gid;  // token of regs 0, 1; regs 2, 3: j0 + 8
-    const bool ok0 = x.ok && j0 < L, ok1 = x.ok && j0 + 8 < L;
-    const float ks0 = kStatic ? 1.f : x.ks[0], ks1 = kStatic ? 1.f : x.ks[1];
-    // a masked token's scale may be garbage: 0 keeps it out of P' and of the P scale
-    const float vs0 = kStatic ? 1.f : (ok0 ? x.vs[0] : 0.f);
-    const float vs1 = kStatic ? 1.f : (ok1 ? x.vs[1] : 0.f);
-    const float bias0 = static_cast<float>(j0 - (L - 1)), bias1 = bias0 + 8.f;
     bool need = false;
     float lmax[NH][2];
+    float vs0[NC], vs1[NC];
+    int vb = 0;
+#pragma unroll
+    for (int q = 0; q < NC; ++q) {
+      const int j0 = (c[q] << 4) + gid;  // token of regs 0, 1; regs 2, 3: j0 + 8
+      const bool ok0 = x[q].ok && j0 < L, ok1 = x[q].ok && j0 + 8 < L;
+      const float ks0 = kStatic ? 1.f : x[q].ks[0], ks1 = kStatic ? 1.f : x[q].ks[1];
+      // a masked token's scale may be garbage: 0 keeps it out of P' and of the P scale
+      vs0[q] = kStatic ? 1.f : (ok0 ? x[q].vs[0] : 0.f);
+      vs1[q] = kStatic ? 1.f : (ok1 ? x[q].vs[1] : 0.f);
+      const float bias0 = static_cast<float>(j0 - (L - 1)), bias1 = bias0 + 8.f;
+#pragma unroll
+      for (int h = 0; h < NH; ++h)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float v0 = s[q][h][e] * ks0 * rs[h][e] + slope[h][e] * bias0;
+          const float v1 = s[q][h][2 + e] * ks1 * rs[h][e] + slope[h][e] * bias1;
+          s[q][h][e] = ok0 ? v0 : -INFINITY;
+          s[q][h][2 + e] = ok1 ? v1 : -INFINITY;
+          const float mx = fmaxf(s[q][h][e], s[q][h][2 + e]);
+          lmax[h][e] = q == 0 ? mx : fmaxf(lmax[h][e], mx);
+        }
+      if constexpr (!kStatic) vb = max(vb, __float_as_int(fmaxf(vs0[q], vs1[q])) >> 23);
+    }
 #pragma unroll
     for (int h = 0; h < NH; ++h)
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const float v0 = s[h][e] * ks0 * rs[h][e] + slope[h][e] * bias0;
-        const float v1 = s[h][2 + e] * ks1 * rs[h][e] + slope[h][e] * bias1;
-        s[h][e] = ok0 ? v0 : -INFINITY;
-        s[h][2 + e] = ok1 ? v1 : -INFINITY;
-        lmax[h][e] = fmaxf(s[h][e], s[h][2 + e]);
-        need |= lmax[h][e] > m_run[h][e] + kSlack;
-      }
-    int vb = 0;
-    if constexpr (!kStatic) {
-      vb = __float_as_int(fmaxf(vs0, vs1)) >> 23;
-      need |= vb > v_bits;
-    }
+      for (int e = 0; e < 2; ++e) need |= lmax[h][e] > m_run[h][e] + kSlack;
+    if constexpr (!kStatic) need |= vb > v_bits;
     if (__any_sync(kFull, need)) {  // warp-uniform; rare once the context's maxima are reached
       float rescale = 1.f;          // 2^(p_exp new - old)
       if constexpr (!kStatic) {
@@ -617,7 +638,7 @@ __global__ void __launch_bounds__(NW * 32, kMinBlocksPerSm<D, kTwoRows, NW>)
       for (int h = 0; h < NH; ++h)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          float mx = lmax[h][e];  // over the 16 tokens: the 8 lanes of this t4
+          float mx = lmax[h][e];  // over the step's tokens: the 8 lanes of this t4
           mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 4));
           mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 8));
           mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 16));
@@ -640,71 +661,87 @@ __global__ void __launch_bounds__(NW * 32, kMinBlocksPerSm<D, kTwoRows, NW>)
         }
     }
     const float pscale = __int_as_float((127 + p_exp) << 23);
-    const float w0 = vs0 * pscale, w1 = vs1 * pscale;
     // P'^T (tokens x heads, S^T's layout) in fp16 hi + lo; its 8x8 transposes are the B
     // fragments (k = tokens, n = heads) of V^T P'^T: token half r -> register r.
-    uint32_t ph[NH][2], pl[NH][2];
+    uint32_t ph[NC][NH][2], pl[NC][NH][2];
 #pragma unroll
-    for (int h = 0; h < NH; ++h) {
-      float pv[4];
+    for (int q = 0; q < NC; ++q) {
+      const float w0 = vs0[q] * pscale, w1 = vs1[q] * pscale;
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const float p0 = fast_exp2(s[h][e] - m_ref[h][e]);  // -inf -> 0
-        const float p1 = fast_exp2(s[h][2 + e] - m_ref[h][e]);
-        l_run[h][e] += p0 + p1;
-        pv[e] = p0 * w0;
-        pv[2 + e] = p1 * w1;
-      }
+      for (int h = 0; h < NH; ++h) {
+        float pv[4];
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const __half2 hi = __floats2half2_rn(pv[2 * r], pv[2 * r + 1]);
-        const float2 hf = __half22float2(hi);
-        ph[h][r] = transpose8x8_b16(*reinterpret_cast<const uint32_t*>(&hi));
-        pl[h][r] = transpose8x8_b16(pack_f16x2(pv[2 * r] - hf.x, pv[2 * r + 1] - hf.y));
+        for (int e = 0; e < 2; ++e) {
+          const float p0 = fast_exp2(s[q][h][e] - m_ref[h][e]);  // -inf -> 0
+          const float p1 = fast_exp2(s[q][h][2 + e] - m_ref[h][e]);
+          l_run[h][e] += p0 + p1;
+          pv[e] = p0 * w0;
+          pv[2 + e] = p1 * w1;
+        }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const __half2 hi = __floats2half2_rn(pv[2 * r], pv[2 * r + 1]);
+          const float2 hf = __half22float2(hi);
+          ph[q][h][r] = transpose8x8_b16(*reinterpret_cast<const uint32_t*>(&hi));
+          pl[q][h][r] = transpose8x8_b16(pack_f16x2(pv[2 * r] - hf.x, pv[2 * r + 1] - hf.y));
+        }
       }
     }
     // V^T as the A fragments: rows = head dim (row gid: d = 2i, row gid + 8: d = 2i + 1 of this
     // thread's DPT bytes), k = tokens 2*t4, 2*t4 + 1 (regs 0, 1) and 2*t4 + 8, 2*t4 + 9 (regs 2, 3)
-    const uint32_t* v0 = reinterpret_cast<const uint32_t*>(&x.v[0]);
-    const uint32_t* v1 = reinterpret_cast<const uint32_t*>(&x.v[1]);
-    const uint32_t* v2 = reinterpret_cast<const uint32_t*>(&x.v[2]);
-    const uint32_t* v3 = reinterpret_cast<const uint32_t*>(&x.v[3]);
 #pragma unroll
-    for (int wi = 0; wi < DPT / 4; ++wi) {
-      const uint32_t w0 = v0[wi], w1 = v1[wi], w2 = v2[wi], w3 = v3[wi];
-      uint32_t a[2][4];  // m-tiles 2*wi and 2*wi + 1
-      a[0][0] = i8pair_to_f16x2<0>(w0, w1);
-      a[0][1] = i8pair_to_f16x2<1>(w0, w1);
-      a[0][2] = i8pair_to_f16x2<0>(w2, w3);
-      a[0][3] = i8pair_to_f16x2<1>(w2, w3);
-      a[1][0] = i8pair_to_f16x2<2>(w0, w1);
-      a[1][1] = i8pair_to_f16x2<3>(w0, w1);
-      a[1][2] = i8pair_to_f16x2<2>(w2, w3);
-      a[1][3] = i8pair_to_f16x2<3>(w2, w3);
+    for (int q = 0; q < NC; ++q) {
+      const uint32_t* v0 = reinterpret_cast<const uint32_t*>(&x[q].v[0]);
+      const uint32_t* v1 = reinterpret_cast<const uint32_t*>(&x[q].v[1]);
+      const uint32_t* v2 = reinterpret_cast<const uint32_t*>(&x[q].v[2]);
+      const uint32_t* v3 = reinterpret_cast<const uint32_t*>(&x[q].v[3]);
 #pragma unroll
-      for (int j = 0; j < 2; ++j)
+      for (int wi = 0; wi < DPT / 4; ++wi) {
+        const uint32_t w0 = v0[wi], w1 = v1[wi], w2 = v2[wi], w3 = v3[wi];
+        uint32_t a[2][4];  // m-tiles 2*wi and 2*wi + 1
+        a[0][0] = i8pair_to_f16x2<0>(w0, w1);
+        a[0][1] = i8pair_to_f16x2<1>(w0, w1);
+        a[0][2] = i8pair_to_f16x2<0>(w2, w3);
+        a[0][3] = i8pair_to_f16x2<1>(w2, w3);
+        a[1][0] = i8pair_to_f16x2<2>(w0, w1);
+        a[1][1] = i8pair_to_f16x2<3>(w0, w1);
+        a[1][2] = i8pair_to_f16x2<2>(w2, w3);
+        a[1][3] = i8pair_to_f16x2<3>(w2, w3);
 #pragma unroll
-        for (int h = 0; h < NH; ++h) {
-          mma_f16(o[2 * wi + j][h], a[j], ph[h][0], ph[h][1]);
-          mma_f16(o[2 * wi + j][h], a[j], pl[h][0], pl[h][1]);
-        }
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+          for (int h = 0; h < NH; ++h) {
+            mma_f16(o[2 * wi + j][h], a[j], ph[q][h][0], ph[q][h][1]);
+            mma_f16(o[2 * wi + j][h], a[j], pl[q][h][0], pl[q][h][1]);
+          }
+      }
     }
   };
 
-  // ---- the main loop
+  // ---- the main loop: chunks i .. i + NC - 1 per step, S - NC more in flight
   {
-    int st = 0;
-    for (int i = 0; i < my_n; ++i) {
-      const int in = i + S - 1;
-      if (in < my_n) issue(first + in * kWarps, in, st == 0 ? S - 1 : st - 1);
-      cp_async_commit();
-      cp_async_wait<S - 1>();
+    auto wrap = [](int st) { return st >= S ? st - S : st; };  // st < 2 S
+    int st = 0;  // the stage of chunk i
+    for (int i = 0; i < my_n; i += NC) {
+#pragma unroll
+      for (int q = 0; q < NC; ++q) {  // into the stages of the previous step's chunks
+        const int in = i + S - NC + q;
+        if (in < my_n) issue(first + in * kWarps, in, wrap(st + S - NC + q));
+        cp_async_commit();
+      }
+      cp_async_wait<S - NC>();
       __syncwarp();
-      Chunk<D> x;
-      read_stage(x, st);
-      __syncwarp();  // all lanes have read the stage before a later issue refills it
-      compute(x, first + i * kWarps);
-      st = st + 1 == S ? 0 : st + 1;
+      Chunk<D> x[NC];
+      int c[NC];
+#pragma unroll
+      for (int q = 0; q < NC; ++q) {
+        read_stage(x[q], wrap(st + q));
+        c[q] = first + (i + q) * kWarps;
+        if (q > 0 && i + q >= my_n) x[q].ok = false;  // no such chunk: its stage is stale
+      }
+      __syncwarp();  // all lanes have read the stages before a later issue refills them
+      compute(x, c);
+      st = wrap(st + NC);
     }
     cp_async_wait<0>();
   }
