@@ -50,7 +50,7 @@ __global__ void __launch_bounds__(fq::max_threads_for(NV* VEC), fq::min_blocks_f
 
   const float s_static = dynamic ? 0.0f : __ldg(p.static_scale);
   if (!dynamic && blockIdx.x == 0 && tid == 0 && threadIdx.y == 0) p.scale_out[0] = s_static;
-  const fq::RowQuant qz_static(s_static);
+  const RowQuant qz_static(s_static);
 
   {
     const int64_t rb = blockIdx.x / C;
@@ -94,7 +94,7 @@ __global__ void __launch_bounds__(fq::max_threads_for(NV* VEC), fq::min_blocks_f
       s = fmaxf(amax / 127.0f, kScaleFloor);
       if (row_ok && tid == 0 && rank == 0) p.scale_out[row] = s;
     }
-    const fq::RowQuant qz = dynamic ? fq::RowQuant(s) : qz_static;
+    const RowQuant qz = dynamic ? RowQuant(s) : qz_static;
 
     if (row_ok) {
       int8_t* o = p.out + row * static_cast<int64_t>(p.inter);

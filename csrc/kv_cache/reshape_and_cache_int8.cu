@@ -8,7 +8,7 @@
 // bytes is written by consecutive lanes with full 16-byte stores.
 #include "kv_cache/reshape_and_cache_int8.h"
 
-#include "common/cuda_utils.cuh"  // to_float, saturate_int8, absmax_to_scale: the qops convention
+#include "common/cuda_utils.cuh"  // to_float, absmax_to_scale, RowQuant: the qops convention
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -38,17 +38,19 @@ __device__ __forceinline__ void load16(const T* p, float (&x)[kElems]) {
   }
 }
 
-// One int8 of the qops convention (IEEE division, round half to even, saturate, NaN -> 0).
-__device__ __forceinline__ uint32_t quant_byte(float x, float s) {
-  return static_cast<uint32_t>(static_cast<uint8_t>(saturate_int8(x / s)));
-}
-
-__device__ __forceinline__ uint4 quant16(const float (&x)[kElems], float s) {
+// 16 int8 of the qops convention, saturate_int8(x / s), as one 16-byte word: without a division
+// per element where the scale allows (RowQuant, common/cuda_utils.cuh; the same quotient).
+// kInfCheck: an element may be +-Inf on the fast path (static scales; a dynamic scale's fast path
+// has only finite elements).
+template <bool kFast, bool kInfCheck>
+__device__ __forceinline__ uint4 quant16(const float (&x)[kElems], const RowQuant& qz) {
   uint32_t w[4];
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    w[j] = quant_byte(x[4 * j], s) | (quant_byte(x[4 * j + 1], s) << 8) |
-           (quant_byte(x[4 * j + 2], s) << 16) | (quant_byte(x[4 * j + 3], s) << 24);
+    w[j] = quant_one<kFast, kInfCheck>(x[4 * j], qz) |
+           (quant_one<kFast, kInfCheck>(x[4 * j + 1], qz) << 8) |
+           (quant_one<kFast, kInfCheck>(x[4 * j + 2], qz) << 16) |
+           (quant_one<kFast, kInfCheck>(x[4 * j + 3], qz) << 24);
   }
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
@@ -116,8 +118,17 @@ __global__ void __launch_bounds__(kThreads) reshape_and_cache_int8_kernel(Reshap
   const int64_t block = slot / p.block_size, offset = slot % p.block_size;
   const int64_t sidx = (block * p.num_heads + head) * p.block_size + offset;
   const int64_t didx = sidx * p.head_dim + col;
-  *reinterpret_cast<uint4*>(p.k_cache + didx) = quant16(xk, sk);
-  *reinterpret_cast<uint4*>(p.v_cache + didx) = quant16(xv, sv);
+  const RowQuant qk(sk), qv(sv);
+  uint4 wk, wv;
+  if (qk.fast && qv.fast) {
+    wk = quant16<true, kStatic>(xk, qk);
+    wv = quant16<true, kStatic>(xv, qv);
+  } else {  // 0, Inf, NaN or extreme scales: the IEEE division per element
+    wk = quant16<false, true>(xk, qk);
+    wv = quant16<false, true>(xv, qv);
+  }
+  *reinterpret_cast<uint4*>(p.k_cache + didx) = wk;
+  *reinterpret_cast<uint4*>(p.v_cache + didx) = wv;
   if constexpr (!kStatic) {
     if (lane_in_row == 0) {
       p.k_scales[sidx] = sk;

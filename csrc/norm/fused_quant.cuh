@@ -112,50 +112,6 @@ __device__ __forceinline__ void cp_async_wait() {
 #endif
 }
 
-// The quantizer of one row: q = saturate_int8(round_half_even(y / s)) with the quotient of an IEEE
-// float32 division (docs/ops.md), computed without a per-element division: with r = RN(1 / s)
-// (one IEEE division per row), q0 = RN(y * r) is within one ulp of y / s, and Markstein's
-// correction RN(q0 + RN(y - s * q0) * r) (two FMAs; the remainder is exact) is the correctly
-// rounded quotient. That holds while y, s, r and the quotient stay normal; the fast path is taken
-// only for 1e-30 <= |s| <= 1e30, where every quotient that can round to a non-zero int8 is
-// normal. Other scales (0, Inf, NaN, extreme statics) take the IEEE division itself. Where the
-// correction yields NaN (y = +-Inf), q0 already holds IEEE's answer (+-Inf).
-// The saving is the per-element MUFU.RCP + FCHK + slow-path branch of the IEEE division: the
-// conversion/special-function pipe runs at 1/8 of the FMA rate on sm_90, and was the busiest.
-struct RowQuant {
-  float s, r;
-  bool fast;
-  __device__ __forceinline__ explicit RowQuant(float scale) : s(scale) {
-    const float a = fabsf(scale);
-    fast = a >= 1e-30f && a <= 1e30f;
-    r = fast ? __frcp_rn(scale) : 0.0f;
-  }
-};
-
-// cvt.rni.sat.s8: round half to even, saturate to [-128, 127], NaN -> 0; the int8 in the low byte.
-__device__ __forceinline__ uint32_t cvt_s8(float q) {
-  uint32_t r;
-  asm("cvt.rni.sat.s8.f32 %0, %1;" : "=r"(r) : "f"(q));
-  return r & 0xffu;
-}
-// kInfCheck = false drops the select for y = +-Inf (two instructions per element). Only valid where
-// no y is +-Inf on the fast path: the dynamic per-token scale, where fast means
-// s = fl(amax|y| / 127) <= 1e30, so every |y| <= amax|y| is finite (NaN y gives NaN q either way,
-// and cvt maps NaN to 0, as the checked form does).
-template <bool kFast, bool kInfCheck = true>
-__device__ __forceinline__ uint32_t quant_one(float y, const RowQuant& qz) {
-  if constexpr (kFast) {
-    const float q0 = y * qz.r;
-    const float q = fmaf(fmaf(-qz.s, q0, y), qz.r, q0);
-    if constexpr (kInfCheck)
-      return cvt_s8(q != q ? q0 : q);
-    else
-      return cvt_s8(q);
-  } else {
-    return cvt_s8(__fdiv_rn(y, qz.s));
-  }
-}
-
 // N quantized values packed into N bytes (little-endian: element 0 in the lowest byte).
 template <bool kFast, int N, bool kInfCheck = true>
 __device__ __forceinline__ void store_q_impl(int8_t* p, const float (&y_in)[N], const RowQuant& qz) {

@@ -52,7 +52,7 @@ struct NormParams {
 template <typename T, int VEC, int NV, bool kFast>
 __device__ __forceinline__ void store_row(int8_t* o, const Vec<T, VEC> (&zv)[NV], const T* w,
                                           int v0, int v1, int tid, int tpr, float rstd,
-                                          const fq::RowQuant& qz) {
+                                          const RowQuant& qz) {
 #pragma unroll
   for (int k = 0; k < NV; ++k) {
     const int v = v0 + tid + k * tpr;
@@ -153,7 +153,7 @@ __global__ void __launch_bounds__(norm_max_threads(NV* VEC), norm_min_blocks(NV*
       s = fmaxf(amax * rstd / 127.0f, kScaleFloor);
       if (row_ok && tid == 0 && rank == 0) p.scale_out[row] = s;
     }
-    const fq::RowQuant qz(s);
+    const RowQuant qz(s);
 
     if (row_ok) {
       int8_t* o = p.out + row * static_cast<int64_t>(p.hidden);
@@ -254,7 +254,7 @@ __device__ __forceinline__ uint4 lds128(uint32_t addr) {
 // y = p * rstd, quantized, 8 bytes of int8 per vector.
 template <int NV, bool kFull, bool kFast, bool kInfCheck>
 __device__ __forceinline__ void pipe_store(int8_t* o, const float (&pz)[NV][8], int nvec, int tid,
-                                           int tpr, float rstd, const fq::RowQuant& qz) {
+                                           int tpr, float rstd, const RowQuant& qz) {
 #pragma unroll
   for (int k = 0; k < NV; ++k) {
     if (kFull || tid + k * tpr < nvec) {
@@ -272,7 +272,7 @@ __device__ __forceinline__ void pipe_store(int8_t* o, const float (&pz)[NV][8], 
 // between the reduction and the fast path (ncu, 4096 x 4096: 3.5 "no instruction" stall cycles
 // per issued instruction). Same quotient as quant_one<false>.
 __device__ __noinline__ uint32_t quant_div_exact(float y, float s) {
-  return fq::cvt_s8(__fdiv_rn(y, s));
+  return cvt_s8(__fdiv_rn(y, s));
 }
 
 template <int NV, bool kFull>
@@ -444,7 +444,7 @@ __device__ __forceinline__ void pipe_rows(const NormParams& p, uint4* ring_base,
       s = fmaxf(amax * rstd / 127.0f, kScaleFloor);
       if (tid == 0) p.scale_out[row] = s;
     }
-    const fq::RowQuant qz(s);
+    const RowQuant qz(s);
     int8_t* o = p.out + row * static_cast<int64_t>(p.hidden) + tid * VEC;
     if (qz.fast)
       pipe_store<NV, kFull, true, !kDyn>(o, pz, nvec, tid, tpr, rstd, qz);
