@@ -151,6 +151,22 @@ def test_cuda_strided_misaligned_and_3d():
     assert torch.equal(q.cpu(), qops.quant_per_token(x3.cpu())[0])
 
 
+# Static scales across the quantizer's fast range (1e-30 <= |s| <= 1e30: one reciprocal, then two
+# FMAs per element) and outside it (the IEEE division), with +-Inf and NaN elements, on the vector
+# and the scalar (odd width) paths: bit-identical to the reference either way.
+@pytest.mark.gpu
+@pytest.mark.parametrize("cols", [64, 37])
+@pytest.mark.parametrize("scale", [0.02, 1e-30, 1e30, 3e-31, 2e31, -0.5, 0.0, float("inf"), float("nan")])
+def test_cuda_per_tensor_scales_at_and_past_the_fast_range(scale, cols):
+    x = torch.randn(3, cols) * 100
+    x[0, 3], x[1, 7], x[2, 0] = float("inf"), float("-inf"), float("nan")
+    for dtype in DTYPES:
+        xd = x.to(dtype)
+        s = torch.tensor([scale])
+        q = qops.quant_per_tensor(xd.cuda(), s.cuda())
+        assert torch.equal(q.cpu(), qops.quant_per_tensor(xd, s))
+
+
 @pytest.mark.gpu
 def test_cuda_nonfinite_and_empty():
     x = torch.tensor([[1.0, float("nan"), -2.0, 0.5], [1.0, float("inf"), -2.0, 3.0]])

@@ -4,6 +4,9 @@
 // the vector width, each thread keeps its VPT 16-byte vectors in registers between the amax
 // reduction and the quantization, so the row is read from DRAM once. Other rows take a scalar
 // two-pass path (the second pass re-reads the row, normally from L2).
+//
+// Every kernel quantizes with RowQuant (common/cuda_utils.cuh): one reciprocal per scale and two
+// FMAs per element instead of a division, the same correctly rounded quotient.
 #include "common/cuda_utils.cuh"
 #include "quant/quant.h"
 
@@ -16,6 +19,33 @@ template <>
 struct Int8Chunk<8> { using type = uint2; };
 template <>
 struct Int8Chunk<4> { using type = uint32_t; };
+
+// The E int8 values of one 16-byte vector of T, packed little-endian.
+template <typename T, bool kFast, bool kInfCheck>
+__device__ __forceinline__ typename Int8Chunk<16 / sizeof(T)>::type quant_vec(const uint4& x,
+                                                                              const RowQuant& qz) {
+  constexpr int E = 16 / sizeof(T);
+  const T* e = reinterpret_cast<const T*>(&x);
+  uint32_t w[E / 4];
+#pragma unroll
+  for (int i = 0; i < E / 4; ++i) {
+    w[i] = 0;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) w[i] |= quant_one<kFast, kInfCheck>(to_float(e[4 * i + j]), qz) << (8 * j);
+  }
+  return *reinterpret_cast<const typename Int8Chunk<E>::type*>(w);
+}
+
+template <typename T, int VPT, bool kFast, bool kInfCheck>
+__device__ __forceinline__ void store_row_vec(const uint4 (&regs)[VPT],
+                                              typename Int8Chunk<16 / sizeof(T)>::type* row_out,
+                                              int64_t nvec, const RowQuant& qz) {
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    const int64_t v = threadIdx.x + int64_t(i) * blockDim.x;
+    if (v < nvec) row_out[v] = quant_vec<T, kFast, kInfCheck>(regs[i], qz);
+  }
+}
 
 template <typename T, int VPT>
 __global__ void __launch_bounds__(512) quant_per_token_vec_kernel(const T* __restrict__ in, int64_t in_row_stride,
@@ -46,16 +76,11 @@ __global__ void __launch_bounds__(512) quant_per_token_vec_kernel(const T* __res
   if (threadIdx.x == 0) scales[row] = scale;
 
   Chunk* row_out = reinterpret_cast<Chunk*>(out + row * cols);
-#pragma unroll
-  for (int i = 0; i < VPT; ++i) {
-    const int64_t v = threadIdx.x + int64_t(i) * blockDim.x;
-    if (v < nvec) {
-      const T* e = reinterpret_cast<const T*>(&regs[i]);
-      alignas(sizeof(Chunk)) int8_t q[E];
-#pragma unroll
-      for (int j = 0; j < E; ++j) q[j] = saturate_int8(to_float(e[j]) / scale);
-      row_out[v] = *reinterpret_cast<const Chunk*>(q);
-    }
+  const RowQuant qz(scale);
+  if (qz.fast) {  // a finite amax: no element is +-Inf
+    store_row_vec<T, VPT, true, false>(regs, row_out, nvec, qz);
+  } else {
+    store_row_vec<T, VPT, false, true>(regs, row_out, nvec, qz);
   }
 }
 
@@ -73,8 +98,12 @@ __global__ void quant_per_token_scalar_kernel(const T* __restrict__ in, int64_t 
     amax = fmaxf(amax, fabsf(to_float(row_in[c])));
   const float scale = absmax_to_scale(block_reduce_max(amax, smem));
   if (threadIdx.x == 0) scales[row] = scale;
-  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)
-    out[row * cols + c] = saturate_int8(to_float(row_in[c]) / scale);
+  const RowQuant qz(scale);
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+    const float x = to_float(row_in[c]);
+    out[row * cols + c] =
+        static_cast<int8_t>(qz.fast ? quant_one<true, false>(x, qz) : quant_one<false>(x, qz));
+  }
 }
 
 template <typename T, bool kVec>
@@ -84,23 +113,22 @@ __global__ void quant_per_tensor_kernel(const T* __restrict__ in, int64_t in_row
   constexpr int E = kVec ? 16 / sizeof(T) : 1;
   pdl_wait();
   pdl_launch_dependents();
-  const float scale = *scale_ptr;
+  const RowQuant qz(*scale_ptr);
   const int64_t row = blockIdx.y;
   const T* row_in = in + row * in_row_stride;
   int8_t* row_out = out + row * cols;
   const int64_t n = cols / E;
   for (int64_t v = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; v < n;
        v += int64_t(gridDim.x) * blockDim.x) {
+    // a static scale: elements may be +-Inf on the fast path (kInfCheck)
     if constexpr (kVec) {
       using Chunk = typename Int8Chunk<E>::type;
       const uint4 x = reinterpret_cast<const uint4*>(row_in)[v];
-      const T* e = reinterpret_cast<const T*>(&x);
-      alignas(sizeof(Chunk)) int8_t q[E];
-#pragma unroll
-      for (int j = 0; j < E; ++j) q[j] = saturate_int8(to_float(e[j]) / scale);
-      reinterpret_cast<Chunk*>(row_out)[v] = *reinterpret_cast<const Chunk*>(q);
+      reinterpret_cast<Chunk*>(row_out)[v] =
+          qz.fast ? quant_vec<T, true, true>(x, qz) : quant_vec<T, false, true>(x, qz);
     } else {
-      row_out[v] = saturate_int8(to_float(row_in[v]) / scale);
+      const float x = to_float(row_in[v]);
+      row_out[v] = static_cast<int8_t>(qz.fast ? quant_one<true>(x, qz) : quant_one<false>(x, qz));
     }
   }
 }
