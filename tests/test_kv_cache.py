@@ -277,6 +277,29 @@ def test_gpu_small_strided_special_rows_and_unaligned():
             assert torch.equal(got, want)
 
 
+# Static scales across the quantizer's fast range (1e-30 <= |s| <= 1e30: one reciprocal, then two
+# FMAs per element) and outside it (the IEEE division), with +-Inf and NaN elements: bit-identical
+# to the reference either way.
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("scale", [0.02, 1e-30, 1e30, 3e-31, 2e31, 0.0, float("inf"), float("nan")])
+def test_gpu_small_static_scales_at_and_past_the_fast_range(scale):
+    T, H, D = 5, 2, 64
+    key = torch.randn(T, H, D, dtype=torch.float16) * 100
+    key[1, 0, 3], key[2, 1, 7], key[3, 0, 0] = float("inf"), float("-inf"), float("nan")
+    value = -key
+    outs = []
+    for dev in ("cuda", "cpu"):
+        kc = torch.zeros(2, H, 16, D, dtype=torch.int8, device=dev)
+        vc = torch.zeros_like(kc)
+        s = torch.tensor([scale], device=dev)
+        qops.reshape_and_cache_int8(key.to(dev), value.to(dev), kc, vc, s, s.clone(),
+                                    torch.arange(T, dtype=torch.int64, device=dev) + 9)
+        outs.append((kc.cpu(), vc.cpu()))
+    for got, want in zip(*outs):
+        assert torch.equal(got, want)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_small_out_of_range_slot_never_writes():
