@@ -341,9 +341,10 @@ def test_cuda_errors():
 VARIANTS = ["rowres", "pipelined"]
 # (T, H): T not a multiple of any grid; H covering 1..8 warps per row, whole and partial last
 # vectors per thread (576: 72 vectors on one warp, 4 rows per CTA; 2056: 257 vectors on 3 warps),
-# 1..4 vectors per thread (64, 1000, 1536, 4096, 5120, 8192), and fewer rows than CTAs.
+# 1..4 vectors per thread (64, 1000, 1536, 4096, 5120, 8192; the pipelined kernel's 2-vector rows
+# at 2048 and 4096), and fewer rows than CTAs.
 VARIANT_SIZES = [(4099, 576), (4099, 1536), (4099, 4096), (4099, 5120), (4099, 8192), (4099, 2056),
-                 (1000, 64), (257, 1000), (3, 4096), (1, 8192)]
+                 (4099, 2048), (1000, 64), (257, 1000), (3, 4096), (1, 8192)]
 
 
 def make_cuda(T, H, dtype, seed=0):

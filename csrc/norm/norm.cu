@@ -49,7 +49,7 @@ struct NormParams {
 };
 
 // y = (z * w) * rstd, quantized and stored; the weight re-read from L1/L2.
-template <typename T, int VEC, int NV, bool kFast>
+template <typename T, int VEC, int NV, bool kFast, bool kInfCheck>
 __device__ __forceinline__ void store_row(int8_t* o, const Vec<T, VEC> (&zv)[NV], const T* w,
                                           int v0, int v1, int tid, int tpr, float rstd,
                                           const RowQuant& qz) {
@@ -61,7 +61,7 @@ __device__ __forceinline__ void store_row(int8_t* o, const Vec<T, VEC> (&zv)[NV]
       float y[VEC];
 #pragma unroll
       for (int j = 0; j < VEC; ++j) y[j] = (to_float(zv[k].v[j]) * to_float(wv.v[j])) * rstd;
-      fq::store_q_impl<kFast>(o + v * VEC, y, qz);
+      fq::store_q_impl<kFast, VEC, kInfCheck>(o + v * VEC, y, qz);
     }
     // One vector at a time: keeps the scheduler from hoisting every vector's reload and math
     // (which costs registers, hence occupancy, for ILP the other resident rows already give).
@@ -69,9 +69,28 @@ __device__ __forceinline__ void store_row(int8_t* o, const Vec<T, VEC> (&zv)[NV]
   }
 }
 
+// y = p * rstd quantized and stored, from the products p = z * w the first pass kept (float32).
+template <int VEC, int NV, bool kFast, bool kInfCheck>
+__device__ __forceinline__ void store_row_p(int8_t* o, const float (&pz)[NV][VEC], int v0, int v1,
+                                            int tid, int tpr, float rstd, const RowQuant& qz) {
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    const int v = v0 + tid + k * tpr;
+    if (v < v1) {
+      float y[VEC];
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) y[j] = pz[k][j] * rstd;
+      fq::store_q_impl<kFast, VEC, kInfCheck>(o + v * VEC, y, qz);
+    }
+  }
+}
+
 // Registers hold only the row slice itself (NV vectors of raw T, the residual sum when kRes):
 // the weight is read for the reduction, dropped, and re-read (L1/L2) for the quantized store, so a
 // 4096-wide row costs ~8 KB of registers and many rows stay in flight per SM.
+// Without a residual and at <= 16 elements per thread (kKeepP), the first pass keeps the float32
+// products p = z * w instead (8 more registers at 16 elements): the store pass is then p * rstd and
+// the quantizer, without the weight re-read, the second conversion of z and w and the product.
 template <typename T, int VEC, int NV, bool kRes>
 __global__ void __launch_bounds__(norm_max_threads(NV* VEC), norm_min_blocks(NV* VEC))
     rms_norm_quant_kernel(const NormParams p) {
@@ -125,6 +144,8 @@ __global__ void __launch_bounds__(norm_max_threads(NV* VEC), norm_min_blocks(NV*
       }
     }
 
+    constexpr bool kKeepP = !kRes && NV * VEC <= 16;
+    float pz[kKeepP ? NV : 1][VEC];
     float sumsq = 0.0f, amax = 0.0f;
 #pragma unroll
     for (int k = 0; k < NV; ++k) {
@@ -135,7 +156,9 @@ __global__ void __launch_bounds__(norm_max_threads(NV* VEC), norm_min_blocks(NV*
         for (int j = 0; j < VEC; ++j) {
           const float z = to_float(zv[k].v[j]);
           sumsq = fmaf(z, z, sumsq);
-          amax = fmaxf(amax, fabsf(z * to_float(wv.v[j])));  // fmaxf ignores NaN
+          const float pj = z * to_float(wv.v[j]);
+          if constexpr (kKeepP) pz[k][j] = pj;
+          amax = fmaxf(amax, fabsf(pj));  // fmaxf ignores NaN
         }
       }
     }
@@ -156,11 +179,24 @@ __global__ void __launch_bounds__(norm_max_threads(NV* VEC), norm_min_blocks(NV*
     const RowQuant qz(s);
 
     if (row_ok) {
+      // A dynamic scale on the fast path (s <= 1e30) has no +-Inf y: the quantizer's Inf select
+      // can go (fq::quant_one's kInfCheck).
       int8_t* o = p.out + row * static_cast<int64_t>(p.hidden);
-      if (qz.fast)
-        store_row<T, VEC, NV, true>(o, zv, w, v0, v1, tid, tpr, rstd, qz);
-      else
-        store_row<T, VEC, NV, false>(o, zv, w, v0, v1, tid, tpr, rstd, qz);
+      if constexpr (kKeepP) {
+        if (qz.fast && dynamic)
+          store_row_p<VEC, NV, true, false>(o, pz, v0, v1, tid, tpr, rstd, qz);
+        else if (qz.fast)
+          store_row_p<VEC, NV, true, true>(o, pz, v0, v1, tid, tpr, rstd, qz);
+        else
+          store_row_p<VEC, NV, false, true>(o, pz, v0, v1, tid, tpr, rstd, qz);
+      } else {
+        if (qz.fast && dynamic)
+          store_row<T, VEC, NV, true, false>(o, zv, w, v0, v1, tid, tpr, rstd, qz);
+        else if (qz.fast)
+          store_row<T, VEC, NV, true, true>(o, zv, w, v0, v1, tid, tpr, rstd, qz);
+        else
+          store_row<T, VEC, NV, false, true>(o, zv, w, v0, v1, tid, tpr, rstd, qz);
+      }
     }
     if (C > 1) cluster_wait();  // peers may still read `part` until they arrive
   }
@@ -494,11 +530,17 @@ struct PipeShape {
   size_t smem = 0;  // dynamic shared memory per CTA (the rings)
 };
 
-// The fewest warps per row giving <= kPipeMaxNV vectors per thread (or the QOPS_FQ_TPR hint when
-// it fits); false when the row is too long for this kernel.
+// The fewest warps per row giving <= kPipeMaxNV vectors per thread, except rows of exactly 4 or 8
+// warps at 2 vectors per thread (H = 2048, 4096), which take those (or the QOPS_FQ_TPR hint when
+// it fits); false when the row is too long for this kernel. H100, bf16, same-run A/B: H = 4096 at
+// 16384 rows 80.0 -> 73.5 us with 8 warps instead of 4, H = 2048 40.0 -> 38.2 us (4096 rows:
+// equal, 12.6 -> 11.6 us); 2 vectors per thread measured no better at H = 1536 (3 warps) and 5120
+// (3 vectors at 7 warps), so those keep the rule.
 bool choose_pipe_shape(int64_t nvec, bool res, const FusedQuantTuning& t, PipeShape* out) {
   auto make = [&](int tpr_target) {
+    const bool two = nvec % 64 == 0 && (nvec / 64 == 4 || nvec / 64 == 8);
     int64_t wpr = tpr_target > 0 ? (tpr_target + 31) / 32
+                  : two          ? nvec / 64
                                  : (nvec + 32 * kPipeMaxNV - 1) / (32 * kPipeMaxNV);
     if (wpr < 1) wpr = 1;
     if (wpr > kPipeMaxWarpsPerRow) return false;
