@@ -172,6 +172,13 @@ __device__ __forceinline__ uint32_t quant_one(float y, const RowQuant& qz) {
   }
 }
 
+// quant_one<false> out of line: the exact-division path of a kernel whose fast path is hot (scales
+// outside RowQuant's range are rare), so that its per-element division and slow-path call neither
+// bloat the hot code nor take its registers. Same quotient.
+static __device__ __noinline__ uint32_t quant_div_exact(float y, float s) {
+  return cvt_s8(__fdiv_rn(y, s));
+}
+
 __device__ __forceinline__ float warp_reduce_max(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));

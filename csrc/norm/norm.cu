@@ -302,14 +302,10 @@ __device__ __forceinline__ void pipe_store(int8_t* o, const float (&pz)[NV][8], 
   }
 }
 
-// pipe_store's exact-division path (scales outside RowQuant's fast range: rows with +-Inf or
-// extreme static scales) with the division out of line. Inlined, its ~14 instructions and
-// slow-path call per element made a ~690-instruction block that ptxas placed inside the row loop,
-// between the reduction and the fast path (ncu, 4096 x 4096: 3.5 "no instruction" stall cycles
-// per issued instruction). Same quotient as quant_one<false>.
-__device__ __noinline__ uint32_t quant_div_exact(float y, float s) {
-  return cvt_s8(__fdiv_rn(y, s));
-}
+// pipe_store's exact-division path uses quant_div_exact (common/cuda_utils.cuh), out of line.
+// Inlined, its ~14 instructions and slow-path call per element made a ~690-instruction block that
+// ptxas placed inside the row loop, between the reduction and the fast path (ncu, 4096 x 4096: 3.5
+// "no instruction" stall cycles per issued instruction).
 
 template <int NV, bool kFull>
 __device__ __forceinline__ void pipe_store_exact(int8_t* o, const float (&pz)[NV][8], int nvec,

@@ -26,12 +26,13 @@ __device__ __forceinline__ typename Int8Chunk<16 / sizeof(T)>::type quant_vec(co
                                                                               const RowQuant& qz) {
   constexpr int E = 16 / sizeof(T);
   const T* e = reinterpret_cast<const T*>(&x);
-  uint32_t w[E / 4];
+  alignas(16 / sizeof(T)) uint32_t w[E / 4];
 #pragma unroll
   for (int i = 0; i < E / 4; ++i) {
     w[i] = 0;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) w[i] |= quant_one<kFast, kInfCheck>(to_float(e[4 * i + j]), qz) << (8 * j);
+    for (int j = 0; j < 4; ++j)
+      w[i] |= quant_one<kFast, kInfCheck>(to_float(e[4 * i + j]), qz) << (8 * j);
   }
   return *reinterpret_cast<const typename Int8Chunk<E>::type*>(w);
 }
@@ -47,8 +48,10 @@ __device__ __forceinline__ void store_row_vec(const uint4 (&regs)[VPT],
   }
 }
 
+// At most 256 threads for 16 vectors per thread: 512 capped the registers at 128, and the row
+// (64 registers) spilled once the quantizer had a fast and an exact path.
 template <typename T, int VPT>
-__global__ void __launch_bounds__(512) quant_per_token_vec_kernel(const T* __restrict__ in, int64_t in_row_stride,
+__global__ void __launch_bounds__(VPT >= 16 ? 256 : 512) quant_per_token_vec_kernel(const T* __restrict__ in, int64_t in_row_stride,
                                            int8_t* __restrict__ out, float* __restrict__ scales,
                                            int64_t cols) {
   constexpr int E = 16 / sizeof(T);
@@ -154,13 +157,14 @@ cudaError_t quant_per_token(const T* in, int64_t in_row_stride, int8_t* out, flo
   const bool vec = cols % E == 0 && in_row_stride % E == 0 && is_aligned(in, 16);
   const int64_t nvec = cols / E;
   if (vec) {
-    // Smallest vectors-per-thread that covers the row with <= 256 threads (<= 512 for rows
-    // longer than 2048 vectors), so short rows (decode) still get a full CTA of lanes.
+    // Smallest vectors-per-thread that covers the row with <= 256 threads, so short rows (decode)
+    // still get a full CTA of lanes. Longer rows (past 4096 vectors: 32768 bf16) take the scalar
+    // two-pass kernel.
     if (nvec <= 256 * 1) return launch_token_vec<T, 1>(in, in_row_stride, out, scales, rows, cols, round_up_warp(nvec), stream, pdl);
     if (nvec <= 256 * 2) return launch_token_vec<T, 2>(in, in_row_stride, out, scales, rows, cols, round_up_warp((nvec + 1) / 2), stream, pdl);
     if (nvec <= 256 * 4) return launch_token_vec<T, 4>(in, in_row_stride, out, scales, rows, cols, round_up_warp((nvec + 3) / 4), stream, pdl);
     if (nvec <= 256 * 8) return launch_token_vec<T, 8>(in, in_row_stride, out, scales, rows, cols, round_up_warp((nvec + 7) / 8), stream, pdl);
-    if (nvec <= 512 * 16) return launch_token_vec<T, 16>(in, in_row_stride, out, scales, rows, cols, round_up_warp((nvec + 15) / 16), stream, pdl);
+    if (nvec <= 256 * 16) return launch_token_vec<T, 16>(in, in_row_stride, out, scales, rows, cols, round_up_warp((nvec + 15) / 16), stream, pdl);
   }
   const int threads = cols >= 1024 ? 1024 : round_up_warp(cols);
   return launch_kernel(quant_per_token_scalar_kernel<T>, dim3(rows), dim3(threads), stream, pdl,
