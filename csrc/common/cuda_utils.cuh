@@ -126,18 +126,17 @@ __device__ __forceinline__ float absmax_to_scale(float amax) {
   return fmaxf(amax / 127.0f, kScaleFloor);
 }
 
-// The quantizer of one row (one scale): q = saturate_int8(round_half_even(y / s)) with the quotient
-// of an IEEE float32 division -- saturate_int8(y / s), the qops convention (docs/ops.md) -- computed
-// without a per-element division: with r = RN(1 / s) (one IEEE division per row), q0 = RN(y * r)
-// is within one ulp of y / s, and Markstein's
-// correction RN(q0 + RN(y - s * q0) * r) (two FMAs; the remainder is exact) is the correctly
-// rounded quotient. That holds while y, s, r and the quotient stay normal; the fast path is taken
-// only for 1e-30 <= |s| <= 1e30, where every quotient that can round to a non-zero int8 is
-// normal. Other scales (0, Inf, NaN, extreme statics) take the IEEE division itself. Where the
+// The quantizer of one row (one scale): saturate_int8(y / s), the qops convention (docs/ops.md),
+// with the quotient of an IEEE float32 division computed without a per-element division: with
+// r = RN(1 / s) (one IEEE division per row), q0 = RN(y * r) is within one ulp of y / s, and
+// Markstein's correction RN(q0 + RN(y - s * q0) * r) (two FMAs; the remainder is exact) is the
+// correctly rounded quotient. That holds while y, s, r and the quotient stay normal; the fast path
+// is taken only for 1e-30 <= |s| <= 1e30, where every quotient that can round to a non-zero int8
+// is normal. Other scales (0, Inf, NaN, extreme statics) take the IEEE division itself. Where the
 // correction yields NaN (y = +-Inf), q0 already holds IEEE's answer (+-Inf).
 // The saving is the per-element MUFU.RCP + FCHK + slow-path branch of the IEEE division: the
 // conversion/special-function pipe runs at 1/8 of the FMA rate on sm_90, and was the busiest.
-// Used by the fused norm / activation kernels and the KV-cache write.
+// Used by the fused norm / activation kernels, the quantization kernels and the KV-cache write.
 struct RowQuant {
   float s, r;
   bool fast;

@@ -51,9 +51,9 @@ __device__ __forceinline__ void store_row_vec(const uint4 (&regs)[VPT],
 // At most 256 threads for 16 vectors per thread: 512 capped the registers at 128, and the row
 // (64 registers) spilled once the quantizer had a fast and an exact path.
 template <typename T, int VPT>
-__global__ void __launch_bounds__(VPT >= 16 ? 256 : 512) quant_per_token_vec_kernel(const T* __restrict__ in, int64_t in_row_stride,
-                                           int8_t* __restrict__ out, float* __restrict__ scales,
-                                           int64_t cols) {
+__global__ void __launch_bounds__(VPT >= 16 ? 256 : 512)
+    quant_per_token_vec_kernel(const T* __restrict__ in, int64_t in_row_stride,
+                               int8_t* __restrict__ out, float* __restrict__ scales, int64_t cols) {
   constexpr int E = 16 / sizeof(T);
   using Chunk = typename Int8Chunk<E>::type;
   __shared__ float smem[32];
