@@ -171,6 +171,14 @@ __device__ __forceinline__ uint32_t quant_one(float y, const RowQuant& qz) {
   }
 }
 
+// Four quantized values as one word, little-endian (y[0] in the lowest byte).
+template <bool kFast, bool kInfCheck = true>
+__device__ __forceinline__ uint32_t quant_pack4(const float* y, const RowQuant& qz) {
+  return quant_one<kFast, kInfCheck>(y[0], qz) | (quant_one<kFast, kInfCheck>(y[1], qz) << 8) |
+         (quant_one<kFast, kInfCheck>(y[2], qz) << 16) |
+         (quant_one<kFast, kInfCheck>(y[3], qz) << 24);
+}
+
 // quant_one<false> out of line: the exact-division path of a kernel whose fast path is hot (scales
 // outside RowQuant's range are rare), so that its per-element division and slow-path call neither
 // bloat the hot code nor take its registers. Same quotient.

@@ -8,7 +8,7 @@
 // bytes is written by consecutive lanes with full 16-byte stores.
 #include "kv_cache/reshape_and_cache_int8.h"
 
-#include "common/cuda_utils.cuh"  // to_float, absmax_to_scale, RowQuant: the qops convention
+#include "common/cuda_utils.cuh"  // to_float, absmax_to_scale, RowQuant, quant_pack4
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -46,12 +46,7 @@ template <bool kFast, bool kInfCheck>
 __device__ __forceinline__ uint4 quant16(const float (&x)[kElems], const RowQuant& qz) {
   uint32_t w[4];
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    w[j] = quant_one<kFast, kInfCheck>(x[4 * j], qz) |
-           (quant_one<kFast, kInfCheck>(x[4 * j + 1], qz) << 8) |
-           (quant_one<kFast, kInfCheck>(x[4 * j + 2], qz) << 16) |
-           (quant_one<kFast, kInfCheck>(x[4 * j + 3], qz) << 24);
-  }
+  for (int j = 0; j < 4; ++j) w[j] = quant_pack4<kFast, kInfCheck>(x + 4 * j, qz);
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 

@@ -119,12 +119,7 @@ __device__ __forceinline__ void store_q_impl(int8_t* p, const float (&y_in)[N], 
   if constexpr (N % 4 == 0) {
     uint32_t w[N / 4];
 #pragma unroll
-    for (int i = 0; i < N / 4; ++i) {
-      w[i] = quant_one<kFast, kInfCheck>(y[4 * i], qz) |
-             (quant_one<kFast, kInfCheck>(y[4 * i + 1], qz) << 8) |
-             (quant_one<kFast, kInfCheck>(y[4 * i + 2], qz) << 16) |
-             (quant_one<kFast, kInfCheck>(y[4 * i + 3], qz) << 24);
-    }
+    for (int i = 0; i < N / 4; ++i) w[i] = quant_pack4<kFast, kInfCheck>(y + 4 * i, qz);
     if constexpr (N == 8) {
       *reinterpret_cast<uint2*>(p) = make_uint2(w[0], w[1]);
     } else if constexpr (N == 4) {

@@ -180,23 +180,23 @@ __global__ void __launch_bounds__(norm_max_threads(NV* VEC), norm_min_blocks(NV*
 
     if (row_ok) {
       // A dynamic scale on the fast path (s <= 1e30) has no +-Inf y: the quantizer's Inf select
-      // can go (fq::quant_one's kInfCheck).
+      // can go (quant_one's kInfCheck, common/cuda_utils.cuh).
       int8_t* o = p.out + row * static_cast<int64_t>(p.hidden);
-      if constexpr (kKeepP) {
-        if (qz.fast && dynamic)
-          store_row_p<VEC, NV, true, false>(o, pz, v0, v1, tid, tpr, rstd, qz);
-        else if (qz.fast)
-          store_row_p<VEC, NV, true, true>(o, pz, v0, v1, tid, tpr, rstd, qz);
+      auto store = [&](auto fast, auto inf_check) {
+        constexpr bool kF = decltype(fast)::value, kI = decltype(inf_check)::value;
+        if constexpr (kKeepP)
+          store_row_p<VEC, NV, kF, kI>(o, pz, v0, v1, tid, tpr, rstd, qz);
         else
-          store_row_p<VEC, NV, false, true>(o, pz, v0, v1, tid, tpr, rstd, qz);
-      } else {
-        if (qz.fast && dynamic)
-          store_row<T, VEC, NV, true, false>(o, zv, w, v0, v1, tid, tpr, rstd, qz);
-        else if (qz.fast)
-          store_row<T, VEC, NV, true, true>(o, zv, w, v0, v1, tid, tpr, rstd, qz);
-        else
-          store_row<T, VEC, NV, false, true>(o, zv, w, v0, v1, tid, tpr, rstd, qz);
-      }
+          store_row<T, VEC, NV, kF, kI>(o, zv, w, v0, v1, tid, tpr, rstd, qz);
+      };
+      using Y = std::true_type;
+      using N = std::false_type;
+      if (qz.fast && dynamic)
+        store(Y{}, N{});
+      else if (qz.fast)
+        store(Y{}, Y{});
+      else
+        store(N{}, Y{});
     }
     if (C > 1) cluster_wait();  // peers may still read `part` until they arrive
   }

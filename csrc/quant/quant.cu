@@ -26,14 +26,12 @@ __device__ __forceinline__ typename Int8Chunk<16 / sizeof(T)>::type quant_vec(co
                                                                               const RowQuant& qz) {
   constexpr int E = 16 / sizeof(T);
   const T* e = reinterpret_cast<const T*>(&x);
+  float y[E];
+#pragma unroll
+  for (int j = 0; j < E; ++j) y[j] = to_float(e[j]);
   alignas(16 / sizeof(T)) uint32_t w[E / 4];
 #pragma unroll
-  for (int i = 0; i < E / 4; ++i) {
-    w[i] = 0;
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-      w[i] |= quant_one<kFast, kInfCheck>(to_float(e[4 * i + j]), qz) << (8 * j);
-  }
+  for (int i = 0; i < E / 4; ++i) w[i] = quant_pack4<kFast, kInfCheck>(y + 4 * i, qz);
   return *reinterpret_cast<const typename Int8Chunk<E>::type*>(w);
 }
 

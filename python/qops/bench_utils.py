@@ -61,10 +61,10 @@ def _runner(make_call: Callable[[int], Callable[[], object]], n_sets: int, use_g
     replay when ``use_graph``) and the number of calls it makes.
 
     The graph calls the sets in turn (0, 1, ..., n_sets - 1, 0, 1, ...), so consecutive calls
-    never share inputs (given n_sets >= 2), and repeats that sequence until a replay takes about GRAPH_MIN_US: the
-    replay's own launch latency (it starts after the host submits it, some microseconds after
-    the start event) is then not charged to the calls, as in a model's decode graph of many
-    kernels. Each set is called equally often."""
+    never share inputs (given n_sets >= 2), and repeats that sequence until a replay takes about
+    GRAPH_MIN_US: the replay's own launch latency (it starts after the host submits it, some
+    microseconds after the start event) is then not charged to the calls, as in a model's decode
+    graph of many kernels. Each set is called equally often."""
     calls = [make_call(i) for i in range(n_sets)]
     for c in calls:  # warm up (module load, autotuning, allocator)
         c()
