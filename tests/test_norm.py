@@ -519,10 +519,11 @@ def test_cuda_variant_env_errors(monkeypatch):
 @needs_cuda
 @pytest.mark.parametrize("fused", [False, True])
 def test_cuda_variant_selection(monkeypatch, fused):
-    """Which kernel runs: the default rule (pipelined without a residual for >= 16 rows per SM,
-    H <= 8192; row-resident with one) and the QOPS_NORM_VARIANT overrides."""
+    """Which kernel runs: the default rule (without a residual, pipelined for >= 16 rows per SM,
+    H <= 8192 and either > 256 KB of input per SM or rows of one warp, H <= 1024; row-resident
+    otherwise and with a residual) and the QOPS_NORM_VARIANT overrides."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    big, small = 16 * sms + 3, 16
+    big, mid, small = 32 * sms + 3, 16 * sms + 3, 16  # 4096-wide bf16 rows: 8 KB each
 
     def run(T, H=4096):
         x, r, w = make_cuda(T, H, torch.bfloat16)
@@ -539,6 +540,8 @@ def test_cuda_variant_selection(monkeypatch, fused):
     if names is None:
         pytest.skip("torch.profiler records no CUDA kernels here")
     assert kind(names) == ("rowres" if fused else "pipelined")
+    assert kind(run(mid)) == "rowres"  # 136 KB per SM
+    assert kind(run(mid, 576)) == ("rowres" if fused else "pipelined")  # one-warp rows
     assert kind(run(small)) == "rowres"
     assert kind(run(big, 16384)) == "rowres"  # rows longer than the pipelined kernel takes
     monkeypatch.setenv("QOPS_NORM_VARIANT", "rowres")

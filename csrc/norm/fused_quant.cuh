@@ -49,6 +49,23 @@ __device__ __forceinline__ Vec<T, N> load(const T* p) {
   return r;
 }
 
+// Streamed data (read once per kernel): 16-byte loads that do not allocate in L1, so that what
+// is reused from L1 (the norm weight) is not evicted by the stream. Other sizes: a plain load.
+template <typename T, int N>
+__device__ __forceinline__ Vec<T, N> load_stream(const T* p) {
+  if constexpr (sizeof(T) * N == 16) {
+    uint4 u;
+    asm volatile("ld.global.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(u.x), "=r"(u.y), "=r"(u.z), "=r"(u.w)
+                 : "l"(p));
+    Vec<T, N> r;
+    *reinterpret_cast<uint4*>(&r) = u;
+    return r;
+  } else {
+    return load<T, N>(p);
+  }
+}
+
 // Read-only, reused by every row (the norm weight): through the non-coherent path.
 template <typename T, int N>
 __device__ __forceinline__ Vec<T, N> load_ldg(const T* p) {

@@ -23,14 +23,20 @@ using fq::Vec;
 // __launch_bounds__ of the norm kernel for E = NV * VEC elements per thread: (most threads per
 // block, blocks per SM to fit). The kernel keeps only the raw row slice in registers (E / 2 for
 // 16-bit T), so the caps are set for occupancy: 32 registers up to 16 elements (2048 threads/SM),
-// 42 up to 32, 64 up to 64.
+// 42 up to 32, 64 up to 64. Forcing more blocks per SM spilled (ptxas -v), except in the
+// kTight build below.
 __host__ __device__ constexpr int norm_max_threads(int elems_per_thread) {
   return elems_per_thread <= 16 ? 1024 : (elems_per_thread <= 64 ? 512 : 256);
 }
-__host__ __device__ constexpr int norm_min_blocks(int elems_per_thread) {
-  return elems_per_thread > 0 ? 1 : 1;  // forcing more blocks spilled (measured with ptxas -v)
-}
 int norm_max_threads_host(int e) { return norm_max_threads(e); }
+
+// The kTight build: no residual, 2 vectors (16 elements) per thread, blocks of at most 512
+// threads, bounded at (512, 3) = 40 registers without spills (ptxas -v, sm_90, CUDA 13.0), where
+// the (1024, 1) build takes 46: 6 blocks of 256 threads per SM instead of 5. 4096 x 4096 bf16,
+// row-resident at 256 threads: 21.4 -> 20.7 us (H100, interleaved CUDA-graph replays).
+constexpr int kTightThreads = 512;
+constexpr int kTightMinBlocks = 3;
+constexpr int kTightElems = 16;
 
 struct NormParams {
   const void* in;
@@ -91,9 +97,14 @@ __device__ __forceinline__ void store_row_p(int8_t* o, const float (&pz)[NV][VEC
 // Without a residual and at <= 16 elements per thread (kKeepP), the first pass keeps the float32
 // products p = z * w instead (8 more registers at 16 elements): the store pass is then p * rstd and
 // the quantizer, without the weight re-read, the second conversion of z and w and the product.
-template <typename T, int VEC, int NV, bool kRes>
-__global__ void __launch_bounds__(norm_max_threads(NV* VEC), norm_min_blocks(NV* VEC))
+// Without a residual, x is loaded with L1::no_allocate (fq::load_stream): read once, it would
+// otherwise evict the weight, which every row re-reads from L1 (4096 x 4096 bf16: 24.5 -> 21.4 us;
+// with a residual it measured 0-2% slower at the Llama sizes, so the fused add keeps plain loads).
+template <typename T, int VEC, int NV, bool kRes, bool kTight = false>
+__global__ void __launch_bounds__(kTight ? kTightThreads : norm_max_threads(NV* VEC),
+                                  kTight ? kTightMinBlocks : 1)
     rms_norm_quant_kernel(const NormParams p) {
+  static_assert(!kTight || (!kRes && NV * VEC == kTightElems), "kTight: no residual, 16 elements");
   __shared__ float red[2][32];
   __shared__ float part[2];
   pdl_wait();  // the previous kernel may write x, the residual, the scale (common/cuda_utils.cuh)
@@ -123,7 +134,8 @@ __global__ void __launch_bounds__(norm_max_threads(NV* VEC), norm_min_blocks(NV*
 #pragma unroll
     for (int k = 0; k < NV; ++k) {
       const int v = v0 + tid + k * tpr;
-      if (row_ok && v < v1) zv[k] = fq::load<T, VEC>(x + v * VEC);
+      if (row_ok && v < v1)
+        zv[k] = kRes ? fq::load<T, VEC>(x + v * VEC) : fq::load_stream<T, VEC>(x + v * VEC);
     }
     if constexpr (kRes) {
       Vec<T, VEC> rv[NV];
@@ -207,6 +219,10 @@ cudaError_t launch(const NormParams& p, const fq::RowShape& sh, cudaStream_t str
   const int64_t row_blocks = (p.rows + sh.rows_per_block - 1) / sh.rows_per_block;
   auto kernel = p.residual != nullptr ? rms_norm_quant_kernel<T, VEC, NV, true>
                                       : rms_norm_quant_kernel<T, VEC, NV, false>;
+  if constexpr (VEC > 1 && NV * VEC == kTightElems) {
+    if (p.residual == nullptr && sh.threads_per_row * sh.rows_per_block <= kTightThreads)
+      kernel = rms_norm_quant_kernel<T, VEC, NV, false, true>;
+  }
   return fq::launch_rows(kernel, p, sh, row_blocks, stream);
 }
 
@@ -242,16 +258,31 @@ constexpr int kPipeDefaultStages = 2;   // ring depth (QOPS_NORM_PIPE_STAGES=3 o
 
 // Auto selection (tuning point; bench/bench_norm_act.py prints both variants side by side):
 // pipelined for RMSNorm + quant without a residual when there are at least kPipeMinRowsPerSm rows
-// per SM and a row of input is at most kPipeMaxRowBytes (hidden * sizeof(T)), on the 16-byte vector
-// path. Measured on H100 (bf16): 1.05-1.34x the row-resident kernel there (4096x4096: 27.3 ->
-// 23.5 us), but 0.92-0.99x with a residual (the row-resident kernel already reaches 0.94-0.99 of
-// copy at 16384 rows), and the 2-stage ring beat the 3-stage one in 10 of 12 cases. Everything
-// else (the fused add, decode and small batches, long rows, unaligned rows) stays row-resident.
+// per SM, a row of input is at most kPipeMaxRowBytes (hidden * sizeof(T)), on the 16-byte vector
+// path, and either the input exceeds kPipeMinBytesPerSm per SM or a row is one warp's (<= 128
+// vectors: the pipelined kernel packs 4 such rows per CTA, each with its own ring). Measured on
+// H100 (bf16, interleaved CUDA-graph replays), pipelined against the row-resident kernel (with its
+// L1::no_allocate loads and the kTight build):
+//   - wins from ~256 KB of input per SM: 8192 x 4096 39.0 vs 42.1 us, 16384 x 2048 39.0 vs 40.9,
+//     4096 x 8192 40.3 vs 44.7, 4096 x 5120 26.7 vs 29.0, 16384 x 1536 29.7 vs 30.8;
+//   - ties at 6144 x 4096 (31.0 vs 31.4 us);
+//   - loses below: 4096 x 4096 22.1 vs 20.7 us, 8192 x 2048 21.4 vs 19.8, 4096 x 2048 11.8 vs
+//     11.4, 4096 x 1536 10.1 vs 9.4;
+//   - wins at H = 576 at every row count (4096 x 576: 5.6 vs 6.2 us).
+// With a residual it was 0.92-0.99x (the row-resident kernel already reaches 0.94-0.99 of copy at
+// 16384 rows); the 2-stage ring beat the 3-stage one in 10 of 12 cases. Everything else (the fused
+// add, decode and small batches, long rows, unaligned rows) stays row-resident.
 constexpr int64_t kPipeMinRowsPerSm = 16;
 constexpr int64_t kPipeMaxRowBytes = 16 << 10;
+constexpr int64_t kPipeMinBytesPerSm = 256 << 10;
+constexpr int64_t kPipeOneWarpVectors = 128;
 
-bool pipelined_by_default(int64_t rows, int64_t row_bytes, int sms, bool residual) {
-  return !residual && rows >= kPipeMinRowsPerSm * sms && row_bytes <= kPipeMaxRowBytes;
+bool pipelined_by_default(int64_t rows, int64_t hidden, int64_t elem_bytes, int sms,
+                          bool residual) {
+  const int64_t row_bytes = hidden * elem_bytes;
+  const int64_t nvec = row_bytes / 16;
+  return !residual && rows >= kPipeMinRowsPerSm * sms && row_bytes <= kPipeMaxRowBytes &&
+         (nvec <= kPipeOneWarpVectors || rows * row_bytes > kPipeMinBytesPerSm * sms);
 }
 
 // Two T (16-bit) in a 32-bit word <-> two floats; element 0 in the low half. bf16 -> float is a
@@ -682,7 +713,7 @@ cudaError_t rms_norm_quant(const T* in, int64_t in_row_stride, T* residual,
   const fq::DeviceInfo dev = fq::device_info();
   if (vec_ok && tuning.norm_variant != kNormVariantRowResident &&
       (tuning.norm_variant == kNormVariantPipelined ||
-       pipelined_by_default(rows, hidden * kBytes, dev.sms, residual != nullptr))) {
+       pipelined_by_default(rows, hidden, kBytes, dev.sms, residual != nullptr))) {
     const NormParams pp{in,     in_row_stride, residual,     residual_row_stride,
                         weight, out,           scale_out,    static_scale,
                         rows,   static_cast<int>(hidden),    1,  // cluster (unused)
@@ -693,6 +724,13 @@ cudaError_t rms_norm_quant(const T* in, int64_t in_row_stride, T* residual,
     if (e != cudaSuccess || launched) return e;
   }
   fq::ShapeHints hints{tuning.threads_per_row_target, tuning.cluster};
+  // Without a residual, many rows of 129-1024 vectors (H 1032-8192 at 2 bytes) take 2 vectors per
+  // thread (the kTight build) rather than choose_row_shape's 128-256 threads per row (4 vectors at
+  // H = 4096 / 8192): 4096 x 4096 bf16 21.2 -> 20.7 us, 4096 x 8192 46.3 -> 44.7 us (H100).
+  const int64_t nvec_all = hidden / VEC;
+  if (vec_ok && residual == nullptr && hints.target_tpr == 0 && hints.cluster == 0 &&
+      rows > dev.sms && nvec_all > kPipeOneWarpVectors && nvec_all <= 2 * kTightThreads)
+    hints.target_tpr = static_cast<int>((nvec_all + 63) / 64 * 32);
   fq::RowShape sh;
   const bool ok =
       vec_ok ? fq::choose_row_shape_or_default(rows, hidden / VEC, VEC, hidden * kBytes, 8,
