@@ -159,7 +159,9 @@ def time_fp8(m, n, k):
         return math.nan
 
 
-GEMV_SHAPES = [(8, 4), (8, 8), (16, 8)]  # the built launch shapes (csrc/gemm/w8a8_gemv.cu)
+# The built launch shapes (csrc/gemm/w8a8_gemv.h kGemvShapes): rows of N, warps, K chunks per batch.
+GEMV_SHAPES = [(8, 4, 4), (8, 8, 4), (16, 8, 2), (8, 4, 8), (8, 8, 8)]
+GEMV_SHAPE_NAMES = [f"r{r}w{w}c{c}" for r, w, c in GEMV_SHAPES]
 
 
 def run_gemv_shapes(layers, tokens, out_dir, copy_gbps: float) -> None:
@@ -173,10 +175,10 @@ def run_gemv_shapes(layers, tokens, out_dir, copy_gbps: float) -> None:
             r = {"layer": layer, "M": m, "N": n, "K": k, "gemv_us": time_ours(m, n, k, "gemv")}
             with env_vars({"QOPS_PDL": "0"}):
                 r["no_pdl_us"] = time_ours(m, n, k, "gemv")
-            for rws, w in GEMV_SHAPES:
-                with env_vars({"QOPS_GEMV_SHAPE": f"{rws},{w}"}):
-                    r[f"r{rws}w{w}"] = time_ours(m, n, k, "gemv")
-            shapes = {f"r{rws}w{w}": r[f"r{rws}w{w}"] for rws, w in GEMV_SHAPES}
+            for shape, name in zip(GEMV_SHAPES, GEMV_SHAPE_NAMES):
+                with env_vars({"QOPS_GEMV_SHAPE": ",".join(map(str, shape))}):
+                    r[name] = time_ours(m, n, k, "gemv")
+            shapes = {name: r[name] for name in GEMV_SHAPE_NAMES}
             r["best_shape"] = min(shapes, key=shapes.get)
             r["gemv_over_best_shape"] = r["gemv_us"] / shapes[r["best_shape"]]
             times = {c: time_ours(m, n, k, c) for c in cutlass}
@@ -189,9 +191,10 @@ def run_gemv_shapes(layers, tokens, out_dir, copy_gbps: float) -> None:
                   f"{r['best_shape']} {shapes[r['best_shape']]:6.1f} us, best CUTLASS {r['best_cutlass_us']:6.1f} us",
                   flush=True)
     write_csv(rows, os.path.join(out_dir, "bench_w8a8_gemv_shapes.csv"))
-    print(f"\n== decode GEMV launch shapes (us per call; rRwW = R rows of N and W warps per CTA; "
+    print(f"\n== decode GEMV launch shapes (us per call; rRwWcC = R rows of N and W warps per CTA, C chunks "
+          f"per load batch; "
           f"copy {copy_gbps:.0f} GB/s)")
-    print_table(rows, ["layer", "M", "gemv_us", "no_pdl_us", *[f"r{r_}w{w_}" for r_, w_ in GEMV_SHAPES], "best_shape",
+    print_table(rows, ["layer", "M", "gemv_us", "no_pdl_us", *GEMV_SHAPE_NAMES, "best_shape",
                        "gemv_over_best_shape", "best_cutlass_us", "vs_best_cutlass", "of_copy"])
 
 

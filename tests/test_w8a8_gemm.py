@@ -276,14 +276,14 @@ def test_every_generated_kernel(config, shape, dtype, mode, bias):
 
 
 # The decode GEMV at every launch shape it has (QOPS_GEMV_SHAPE = rows of N per CTA, warps per
-# CTA), for M of one row group and of two: rows that leave a partial last CTA (N = 48 with 16 rows),
+# CTA, K chunks per load batch: csrc/gemm/w8a8_gemv.h kGemvShapes), for M of one row group and of two: rows that leave a partial last CTA (N = 48 with 16 rows),
 # K tails that are not a whole 64-byte chunk, more K slices than chunks (idle warps).
 _GEMV_PROBLEMS = [(1, 48, 16), (3, 208, 272), (8, 1040, 4112), (9, 80, 1040), (16, 1296, 8208)]
-_GEMV_SHAPES = [(8, 4), (8, 8), (16, 8)]
+_GEMV_SHAPES = [(8, 4, 4), (8, 8, 4), (16, 8, 2), (8, 4, 8), (8, 8, 8)]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("launch", _GEMV_SHAPES, ids=[f"r{r}w{w}" for r, w in _GEMV_SHAPES])
+@pytest.mark.parametrize("launch", _GEMV_SHAPES, ids=[f"r{r}w{w}c{c}" for r, w, c in _GEMV_SHAPES])
 @pytest.mark.parametrize("problem", _GEMV_PROBLEMS, ids=[f"{m}x{n}x{k}" for m, n, k in _GEMV_PROBLEMS])
 @pytest.mark.parametrize("dtype", HALF, ids=["fp16", "bf16"])
 def test_gemv_every_launch_shape(problem, launch, dtype, monkeypatch):
@@ -291,7 +291,7 @@ def test_gemv_every_launch_shape(problem, launch, dtype, monkeypatch):
     m, n, k = problem
     i = _GEMV_PROBLEMS.index(problem) + _GEMV_SHAPES.index(launch)
     per, bias = i % 3 != 0, i % 2 == 0  # both scale modes, with and without bias, across problems
-    monkeypatch.setenv("QOPS_GEMV_SHAPE", f"{launch[0]},{launch[1]}")
+    monkeypatch.setenv("QOPS_GEMV_SHAPE", ",".join(map(str, launch)))
     a, b, sa, sb, bz = make_inputs(m, n, k, device="cuda", per_token=per, per_channel=per, bias=bias, dtype=dtype)
     d = run_and_check(a, b, sa, sb, dtype, bz, config="gemv")
     # exact int32 sums and the reference's float32 steps, each rounded: the reference's bits
@@ -345,9 +345,10 @@ def test_gemv_errors(monkeypatch):
     a, b, sa, sb, _ = make_inputs(17, 32, 64, device="cuda")
     with pytest.raises(ValueError, match="qops.w8a8_gemm: config 'gemv' serves M <= 16, got M = 17"):
         qops.w8a8_gemm(a, b, sa, sb, torch.float16, config="gemv")
-    for bad in ("12,4", "16", "16,4", "8,4x", "x"):
+    for bad in ("12,4,4", "16", "16,4,2", "8,4", "8,4,2", "8,4,4x", "x"):
         monkeypatch.setenv("QOPS_GEMV_SHAPE", bad)
-        with pytest.raises(ValueError, match="QOPS_GEMV_SHAPE must be ROWS,WARPS, one of 8,4 8,8 16,8"):
+        with pytest.raises(ValueError, match="QOPS_GEMV_SHAPE must be ROWS,WARPS,CHUNKS, one of "
+                                             "8,4,4 8,8,4 16,8,2 8,4,8 8,8,8; got"):
             qops.w8a8_gemm(a[:4], b, sa[:4], sb, torch.float16, config="gemv")
 
 

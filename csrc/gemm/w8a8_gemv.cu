@@ -199,10 +199,15 @@ cudaError_t launch_variant(const Params& p, bool pdl, cudaStream_t stream) {
 // (each activation load serves two row groups).
 template <bool kM16, typename OutT>
 cudaError_t launch_shape(const Params& p, GemvShape s, bool pdl, cudaStream_t stream) {
-  if (s.rows_per_cta == 8 && s.warps == 4) return launch_variant<1, 4, 4, kM16, OutT>(p, pdl, stream);
-  if (s.rows_per_cta == 8 && s.warps == 8) return launch_variant<1, 4, 8, kM16, OutT>(p, pdl, stream);
-  if (s.rows_per_cta == 16 && s.warps == 8) return launch_variant<2, 2, 8, kM16, OutT>(p, pdl, stream);
-  return cudaErrorInvalidValue;
+  const auto is = [&](int rows, int warps, int chunks) {
+    return s.rows_per_cta == rows && s.warps == warps && s.chunks == chunks;
+  };
+  if (is(8, 4, 4)) return launch_variant<1, 4, 4, kM16, OutT>(p, pdl, stream);
+  if (is(8, 8, 4)) return launch_variant<1, 4, 8, kM16, OutT>(p, pdl, stream);
+  if (is(16, 8, 2)) return launch_variant<2, 2, 8, kM16, OutT>(p, pdl, stream);
+  if (is(8, 4, 8)) return launch_variant<1, 8, 4, kM16, OutT>(p, pdl, stream);
+  if (is(8, 8, 8)) return launch_variant<1, 8, 8, kM16, OutT>(p, pdl, stream);
+  return cudaErrorInvalidValue;  // not in kGemvShapes
 }
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
@@ -213,10 +218,14 @@ GemvShape gemv_shape(int m, int n, int k, int sm_count) {
   // From bench/bench_w8a8_gemm.py --gemv-shapes on the H100 (docs/w8a8_gemm.md): 8 rows x 4 warps
   // streams best in general; 8 warps where the 8-row CTAs are fewer than two per SM (more warps
   // per SM) or, at M <= 8, where K is long (shorter serial chains per warp); at M > 8 with short
-  // K, 16 rows share each activation load between two row groups.
-  if (m > 8 && k <= 2048) return GemvShape{16, 8};
-  if (n / 8 < 2 * sm_count || (m <= 8 && k >= 8192)) return GemvShape{8, 8};
-  return GemvShape{8, 4};
+  // K, 16 rows share each activation load between two row groups. 8 chunks per load batch
+  // instead of 4 where N <= 4096 (at M <= 8 only up to K = 8192): twice the weight bytes in
+  // flight per warp, at 98-126 registers instead of 50-80 (fewer CTAs per SM, which the larger
+  // N do not afford: 8B qkv, N = 6144, M = 16: 11.2 -> 11.8 us).
+  if (m > 8 && k <= 2048) return GemvShape{16, 8, 2};
+  const int chunks = n <= 4096 && (m > 8 || k <= 8192) ? 8 : 4;
+  if (n / 8 < 2 * sm_count || (m <= 8 && k >= 8192)) return GemvShape{8, 8, chunks};
+  return GemvShape{8, 4, chunks};
 }
 
 cudaError_t gemv(const Problem& pr, int sm_count, cudaStream_t stream, size_t* workspace_bytes) {
@@ -230,7 +239,7 @@ cudaError_t gemv(const Problem& pr, int sm_count, cudaStream_t stream, size_t* w
     return cudaErrorInvalidValue;
   }
   GemvShape s = gemv_shape(pr.m, pr.n, pr.k, sm_count);
-  if (pr.gemv_rows_per_cta != 0) s = GemvShape{pr.gemv_rows_per_cta, pr.gemv_warps};
+  if (pr.gemv_rows_per_cta != 0) s = GemvShape{pr.gemv_rows_per_cta, pr.gemv_warps, pr.gemv_chunks};
   const Params p{pr.a,       pr.lda,   pr.b,   pr.ldb, pr.a_scale, pr.b_scale,
                  pr.bias,    pr.d,     pr.ldd, pr.m,   pr.n,       pr.k,
                  pr.scale_mode == ScaleMode::kPerTensor};

@@ -30,12 +30,18 @@ constexpr int kGemvMaxM = 16;
 // or the layout contract of Problem is broken (alignment, k % 16, n % 8); launch errors otherwise.
 cudaError_t gemv(const Problem& p, int sm_count, cudaStream_t stream, size_t* workspace_bytes);
 
-// The launch shape the GEMV picks: rows of N per CTA and warps (K slices) per CTA. The built
-// shapes are {8, 4}, {8, 8} and {16, 8}.
+// A launch shape of the GEMV: rows of N per CTA, warps (K slices) per CTA, and 64-byte K chunks
+// each warp loads per batch before it multiplies them.
 struct GemvShape {
   int rows_per_cta;
   int warps;
+  int chunks;
 };
+
+// The built shapes (each a kernel instantiation; QOPS_GEMV_SHAPE can force any of them).
+constexpr GemvShape kGemvShapes[] = {{8, 4, 4}, {8, 8, 4}, {16, 8, 2}, {8, 4, 8}, {8, 8, 8}};
+
+// The shape the GEMV picks for this problem (one of kGemvShapes).
 GemvShape gemv_shape(int m, int n, int k, int sm_count);
 
 }  // namespace w8a8_sm90

@@ -39,9 +39,11 @@ struct Problem {
   void* workspace;         // device scratch of at least workspace_size() bytes (stream-K configs)
   size_t workspace_bytes;  // its size; nullptr / 0 when workspace_size() is 0
   // The decode GEMV's launch shape (gemm/w8a8_gemv.h GemvShape), for tests and sweeps: rows of
-  // N per CTA and warps per CTA; 0 = its own choice. The other configs ignore it.
+  // N per CTA, warps per CTA and K chunks per load batch; 0 = its own choice. The other configs
+  // ignore it.
   int gemv_rows_per_cta;
   int gemv_warps;
+  int gemv_chunks;
   // The GEMV launches with programmatic dependent launch (sm_90) unless this is set.
   bool gemv_no_pdl;
 };

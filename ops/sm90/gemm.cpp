@@ -71,21 +71,29 @@ int config_index(c10::string_view config) {
   return -1;
 }
 
-// QOPS_GEMV_SHAPE="ROWS,WARPS" forces the decode GEMV's launch shape (tests and sweeps cover
-// every built shape this way; read on every call, ~0.1 us). Unset: the GEMV's own choice.
-// QOPS_PDL=0 launches it without programmatic dependent launch (qops_glue::pdl_enabled).
+// QOPS_GEMV_SHAPE="ROWS,WARPS,CHUNKS" forces the decode GEMV's launch shape, one of
+// w8a8::kGemvShapes (tests and sweeps cover every built shape this way; read on every call,
+// ~0.1 us). Unset: the GEMV's own choice. QOPS_PDL=0 launches it without programmatic dependent
+// launch (qops_glue::pdl_enabled).
 void gemv_override(w8a8::Problem* p) {
   p->gemv_no_pdl = !pdl_enabled();
   const char* v = std::getenv("QOPS_GEMV_SHAPE");
   if (v == nullptr || *v == '\0') return;
-  int rows = 0, warps = 0;
+  int rows = 0, warps = 0, chunks = 0;
   char extra = 0;
-  const bool ok = std::sscanf(v, "%d,%d%c", &rows, &warps, &extra) == 2 &&
-                  ((rows == 8 && (warps == 4 || warps == 8)) || (rows == 16 && warps == 8));
-  QOPS_CHECK_VALUE(ok, kOp, "QOPS_GEMV_SHAPE must be ROWS,WARPS, one of 8,4 8,8 16,8; got '", v,
-                   "'");
+  const bool parsed = std::sscanf(v, "%d,%d,%d%c", &rows, &warps, &chunks, &extra) == 3;
+  bool built_shape = false;
+  std::string built;
+  for (const w8a8::GemvShape& s : w8a8::kGemvShapes) {
+    built_shape = built_shape || (s.rows_per_cta == rows && s.warps == warps && s.chunks == chunks);
+    built += " " + std::to_string(s.rows_per_cta) + "," + std::to_string(s.warps) + "," +
+             std::to_string(s.chunks);
+  }
+  QOPS_CHECK_VALUE(parsed && built_shape, kOp, "QOPS_GEMV_SHAPE must be ROWS,WARPS,CHUNKS, one of", built,
+                   "; got '", v, "'");
   p->gemv_rows_per_cta = rows;
   p->gemv_warps = warps;
+  p->gemv_chunks = chunks;
 }
 
 at::Tensor w8a8_gemm_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_scale,
