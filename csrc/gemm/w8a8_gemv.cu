@@ -194,9 +194,9 @@ cudaError_t launch_variant(const Params& p, bool pdl, cudaStream_t stream) {
                        dim3((p.n + 8 * J - 1) / (8 * J)), dim3(kWarps * 32), stream, pdl, p);
 }
 
-// The variants (docs/w8a8_gemm.md has the sweep they were picked from; gemv_shape chooses): 8 rows
-// x 4 or 8 warps with 4 chunks per load batch, and 16 rows x 8 warps with 2 chunks per batch
-// (each activation load serves two row groups).
+// The variants, kGemvShapes (docs/w8a8_gemm.md has the sweeps they were picked from; gemv_shape
+// chooses): 8 rows x 4 or 8 warps with 4 or 8 chunks per load batch, and 16 rows x 8 warps with 2
+// chunks per batch (each activation load serves two row groups).
 template <bool kM16, typename OutT>
 cudaError_t launch_shape(const Params& p, GemvShape s, bool pdl, cudaStream_t stream) {
   const auto is = [&](int rows, int warps, int chunks) {
