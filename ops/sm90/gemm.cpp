@@ -89,8 +89,8 @@ void gemv_override(w8a8::Problem* p) {
     built += " " + std::to_string(s.rows_per_cta) + "," + std::to_string(s.warps) + "," +
              std::to_string(s.chunks);
   }
-  QOPS_CHECK_VALUE(parsed && built_shape, kOp, "QOPS_GEMV_SHAPE must be ROWS,WARPS,CHUNKS, one of", built,
-                   "; got '", v, "'");
+  QOPS_CHECK_VALUE(parsed && built_shape, kOp, "QOPS_GEMV_SHAPE must be ROWS,WARPS,CHUNKS, one of",
+                   built, "; got '", v, "'");
   p->gemv_rows_per_cta = rows;
   p->gemv_warps = warps;
   p->gemv_chunks = chunks;
