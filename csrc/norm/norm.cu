@@ -275,11 +275,9 @@ constexpr int kPipeDefaultStages = 2;   // ring depth (QOPS_NORM_PIPE_STAGES=3 o
 constexpr int64_t kPipeMinRowsPerSm = 16;
 constexpr int64_t kPipeMaxRowBytes = 16 << 10;
 constexpr int64_t kPipeMinBytesPerSm = 256 << 10;
-constexpr int64_t kPipeOneWarpVectors = 128;
+constexpr int64_t kPipeOneWarpVectors = 32 * kPipeMaxNV;  // choose_pipe_shape: one warp per row
 
-bool pipelined_by_default(int64_t rows, int64_t hidden, int64_t elem_bytes, int sms,
-                          bool residual) {
-  const int64_t row_bytes = hidden * elem_bytes;
+bool pipelined_by_default(int64_t rows, int64_t row_bytes, int sms, bool residual) {
   const int64_t nvec = row_bytes / 16;
   return !residual && rows >= kPipeMinRowsPerSm * sms && row_bytes <= kPipeMaxRowBytes &&
          (nvec <= kPipeOneWarpVectors || rows * row_bytes > kPipeMinBytesPerSm * sms);
@@ -713,7 +711,7 @@ cudaError_t rms_norm_quant(const T* in, int64_t in_row_stride, T* residual,
   const fq::DeviceInfo dev = fq::device_info();
   if (vec_ok && tuning.norm_variant != kNormVariantRowResident &&
       (tuning.norm_variant == kNormVariantPipelined ||
-       pipelined_by_default(rows, hidden, kBytes, dev.sms, residual != nullptr))) {
+       pipelined_by_default(rows, hidden * kBytes, dev.sms, residual != nullptr))) {
     const NormParams pp{in,     in_row_stride, residual,     residual_row_stride,
                         weight, out,           scale_out,    static_scale,
                         rows,   static_cast<int>(hidden),    1,  // cluster (unused)
