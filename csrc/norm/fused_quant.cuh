@@ -151,35 +151,53 @@ __device__ __forceinline__ void store_q_impl(int8_t* p, const float (&y_in)[N], 
   }
 }
 
-// Sum and max over the threads of one row (blockDim.x threads; blockDim.y rows per block). Every
-// thread of the row gets both results. kMax=false skips the max. `red` holds 2 x 32 floats (at
-// most 32 warps per block). One __syncthreads when a row spans several warps; none otherwise.
-// Must be reached by every thread of the block (rows past the end included).
+// Sum and max over the 32 lanes of a warp, every lane getting both (kSum / kMax: which of them).
 template <bool kSum, bool kMax>
-__device__ __forceinline__ void row_reduce(float& sum, float& mx, float (*red)[32]) {
+__device__ __forceinline__ void warp_reduce_sum_max(float& sum, float& mx) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
     if (kSum) sum += __shfl_xor_sync(0xffffffffu, sum, o);
     if (kMax) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
   }
-  const int wpr = blockDim.x >> 5;  // warps per row
-  if (wpr == 1) return;
-  const int lane = threadIdx.x & 31;
-  const int base = threadIdx.y * wpr;
-  const int w = base + (threadIdx.x >> 5);
-  if (lane == 0) {
+}
+
+// The two halves of a row reduction over several warps, around the caller's __syncthreads:
+// warp_partials reduces each warp and leaves its (sum, max) in `red` (2 x 32 floats: at most 32
+// warps per block); after the barrier, reduce_partials gives any warp of the row the row's
+// (sum, max), every warp the same bitwise (the partials are re-reduced in the same order). A
+// kernel where one warp finishes the row alone calls them directly (norm.cu).
+template <bool kSum, bool kMax>
+__device__ __forceinline__ void store_partials(float sum, float mx, float (*red)[32]) {
+  if ((threadIdx.x & 31) == 0) {
+    const int w = threadIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (kSum) red[0][w] = sum;
     if (kMax) red[1][w] = mx;
   }
-  __syncthreads();
-  // Each warp of the row re-reduces the row's partials in the same order: all agree bitwise.
+}
+template <bool kSum, bool kMax>
+__device__ __forceinline__ void warp_partials(float& sum, float& mx, float (*red)[32]) {
+  warp_reduce_sum_max<kSum, kMax>(sum, mx);
+  store_partials<kSum, kMax>(sum, mx, red);
+}
+template <bool kSum, bool kMax>
+__device__ __forceinline__ void reduce_partials(float& sum, float& mx, const float (*red)[32]) {
+  const int wpr = blockDim.x >> 5, lane = threadIdx.x & 31, base = threadIdx.y * wpr;
   if (kSum) sum = lane < wpr ? red[0][base + lane] : 0.0f;
   if (kMax) mx = lane < wpr ? red[1][base + lane] : 0.0f;
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    if (kSum) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    if (kMax) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-  }
+  warp_reduce_sum_max<kSum, kMax>(sum, mx);
+}
+
+// Sum and max over the threads of one row (blockDim.x threads; blockDim.y rows per block). Every
+// thread of the row gets both results. kMax=false skips the max. One __syncthreads when a row
+// spans several warps; none otherwise. Must be reached by every thread of the block (rows past
+// the end included).
+template <bool kSum, bool kMax>
+__device__ __forceinline__ void row_reduce(float& sum, float& mx, float (*red)[32]) {
+  warp_reduce_sum_max<kSum, kMax>(sum, mx);
+  if (blockDim.x == 32) return;
+  store_partials<kSum, kMax>(sum, mx, red);
+  __syncthreads();
+  reduce_partials<kSum, kMax>(sum, mx, red);
 }
 
 // Cross-CTA step of the row reduction when a row is split over a thread-block cluster of
