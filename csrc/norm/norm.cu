@@ -107,7 +107,7 @@ __global__ void __launch_bounds__(kTight ? kTightThreads : norm_max_threads(NV* 
   static_assert(!kTight || (!kRes && NV * VEC == kTightElems), "kTight: no residual, 16 elements");
   __shared__ float red[2][32];
   __shared__ float part[2];
-  __shared__ float fin[32][2];  // per row of the block: rstd, scale (one-warp finish)
+  __shared__ float fin[32][3];  // per row of the block: rstd, scale, 1 / scale (one-warp finish)
   pdl_wait();  // the previous kernel may write x, the residual, the scale (common/cuda_utils.cuh)
   pdl_launch_dependents();
   const int tpr = blockDim.x;
@@ -187,6 +187,8 @@ __global__ void __launch_bounds__(kTight ? kTightThreads : norm_max_threads(NV* 
       return make_float2(rs, sc);
     };
     float2 rs_s;
+    float recip = 0.0f;  // RowQuant(s).r, where one warp computed it
+    bool shared_recip = false;
     if (C == 1 && tpr > 32) {
       // Several warps, one CTA: one warp finishes the reduction and computes the scalars (~140
       // instructions per warp: the second shuffle round, the correctly rounded sqrt and
@@ -206,10 +208,13 @@ __global__ void __launch_bounds__(kTight ? kTightThreads : norm_max_threads(NV* 
           const float2 f = finish(sumsq, amax, true);
           fin[threadIdx.y][0] = f.x;
           fin[threadIdx.y][1] = f.y;
+          fin[threadIdx.y][2] = RowQuant(f.y).r;
         }
       }
       __syncthreads();
       rs_s = make_float2(fin[threadIdx.y][0], fin[threadIdx.y][1]);
+      recip = fin[threadIdx.y][2];
+      shared_recip = true;
     } else {
       if (dynamic) {
         fq::row_reduce<true, true>(sumsq, amax, red);
@@ -221,7 +226,7 @@ __global__ void __launch_bounds__(kTight ? kTightThreads : norm_max_threads(NV* 
       rs_s = finish(sumsq, amax, tid == 0);
     }
     const float rstd = rs_s.x, s = rs_s.y;
-    const RowQuant qz(s);
+    const RowQuant qz = shared_recip ? RowQuant(s, recip) : RowQuant(s);
 
     if (row_ok) {
       // A dynamic scale on the fast path (s <= 1e30) has no +-Inf y: the quantizer's Inf select
