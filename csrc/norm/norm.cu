@@ -2,8 +2,9 @@
 // docs/norm_activation.md for the design.
 //
 // One pass over DRAM: each row is loaded once (16-byte vectors), the residual sum is written back
-// from registers, the sum of squares and amax|z * w| are reduced together (one block barrier at
-// most, plus a cluster barrier when a row is split over a cluster), and the quantized row is
+// from registers, the sum of squares and amax|z * w| are reduced together (one block barrier, and
+// a second one after which one warp's row scalars are read, when a row spans several warps of a
+// CTA; a cluster barrier instead when a row is split over a cluster), and the quantized row is
 // stored from registers. Because rstd > 0 and float rounding is monotonic,
 // amax|fl(p * rstd)| == fl(amax|p| * rstd) for p = fl(z * w): the dynamic scale needs no second
 // reduction and is exactly absmax_scale() of the y = fl(fl(z * w) * rstd) that the kernel
