@@ -91,7 +91,7 @@ __global__ void __launch_bounds__(fq::max_threads_for(NV* VEC), fq::min_blocks_f
       float unused = 0.0f;
       fq::row_reduce<false, true>(unused, amax, red);
       if (sync_cluster) fq::cluster_reduce<false, true>(unused, amax, part, C);
-      s = fmaxf(amax / 127.0f, kScaleFloor);
+      s = absmax_to_scale(amax);
       if (row_ok && tid == 0 && rank == 0) p.scale_out[row] = s;
     }
     const RowQuant qz = dynamic ? RowQuant(s) : qz_static;

@@ -14,7 +14,7 @@ namespace qops {
 //   y = silu(g) * u = g / (1 + exp(-g)) * u              (float32; fast exp and division)
 //   static (static_scale != nullptr): s = *static_scale, scale_out[0] = s
 //   dynamic:                          s = max(amax|y| / 127, 1e-10), scale_out[row] = s
-//   out[row, :] = saturate_int8(round_half_even(y / s))     (IEEE division)
+//   out[row, :] = clamp(round_half_even(y / s), -128, 127)  (IEEE division; NaN -> 0)
 // `in` rows are `in_row_stride` elements apart (last dim contiguous); `out` is contiguous
 // [rows, inter]. The 16-byte path needs inter % 8 == 0 and 16-byte aligned rows; other inputs
 // take a scalar path (inter <= 16384 there). On sm_90 long rows, or few rows, are split over a

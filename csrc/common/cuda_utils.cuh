@@ -110,15 +110,6 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
   return __float2bfloat16_rn(v);
 }
 
-// The qops int8 convention (python/qops/quantization.py): saturate(round_half_even(v)) into
-// [-128, 127]; NaN gives 0. `v` is already x / scale (an IEEE division, not a reciprocal).
-__device__ __forceinline__ int8_t saturate_int8(float v) {
-  if (v != v) return 0;
-  int i = __float2int_rn(v);  // round half to even; +-Inf saturates to INT_MAX / INT_MIN
-  i = i < -128 ? -128 : (i > 127 ? 127 : i);
-  return static_cast<int8_t>(i);
-}
-
 constexpr float kScaleFloor = 1e-10f;  // python/qops/quantization.py SCALE_FLOOR
 
 // Dynamic symmetric scale from a row's amax (fmaxf-reduced, so NaN is ignored).
@@ -126,14 +117,15 @@ __device__ __forceinline__ float absmax_to_scale(float amax) {
   return fmaxf(amax / 127.0f, kScaleFloor);
 }
 
-// The quantizer of one row (one scale): saturate_int8(y / s), the qops convention (docs/ops.md),
-// with the quotient of an IEEE float32 division computed without a per-element division: with
-// r = RN(1 / s) (one IEEE division per row), q0 = RN(y * r) is within one ulp of y / s, and
-// Markstein's correction RN(q0 + RN(y - s * q0) * r) (two FMAs; the remainder is exact) is the
-// correctly rounded quotient. That holds while y, s, r and the quotient stay normal; the fast path
-// is taken only for 1e-30 <= |s| <= 1e30, where every quotient that can round to a non-zero int8
-// is normal. Other scales (0, Inf, NaN, extreme statics) take the IEEE division itself. Where the
-// correction yields NaN (y = +-Inf), q0 already holds IEEE's answer (+-Inf).
+// The quantizer of one row (one scale): the qops int8 convention (python/qops/quantization.py,
+// docs/ops.md: y / s as an IEEE float32 division, rounded half to even, saturated to [-128, 127],
+// NaN to 0), with that quotient computed without a per-element division: with r = RN(1 / s) (one
+// IEEE division per row), q0 = RN(y * r) is within one ulp of y / s, and Markstein's correction
+// RN(q0 + RN(y - s * q0) * r) (two FMAs; the remainder is exact) is the correctly rounded
+// quotient. That holds while y, s, r and the quotient stay normal; the fast path is taken only
+// for 1e-30 <= |s| <= 1e30, where every quotient that can round to a non-zero int8 is normal.
+// Other scales (0, Inf, NaN, extreme statics) take the IEEE division itself. Where the correction
+// yields NaN (y = +-Inf), q0 already holds IEEE's answer (+-Inf).
 // The saving is the per-element MUFU.RCP + FCHK + slow-path branch of the IEEE division: the
 // conversion/special-function pipe runs at 1/8 of the FMA rate on sm_90, and was the busiest.
 // Used by the fused norm / activation kernels, the quantization kernels and the KV-cache write.

@@ -16,7 +16,7 @@ namespace qops {
 //   y = float(z) * w * rstd,  rstd = 1 / sqrt(sum(float(z)^2) / hidden + eps)      (float32)
 //   static (static_scale != nullptr): s = *static_scale, scale_out[0] = s
 //   dynamic:                          s = max(amax|y| / 127, 1e-10), scale_out[row] = s
-//   out[row, :] = saturate_int8(round_half_even(y / s))
+//   out[row, :] = clamp(round_half_even(y / s), -128, 127)  (IEEE division; NaN -> 0)
 // `in` and `residual` rows are `*_row_stride` elements apart (last dim contiguous); `out` is
 // contiguous [rows, hidden]; `weight` is [hidden]. The 16-byte vector path needs hidden % 8 == 0
 // and 16-byte aligned rows; other inputs take a scalar path (hidden <= 16384 there). On sm_90 a
