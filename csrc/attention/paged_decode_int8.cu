@@ -220,14 +220,7 @@ __device__ __forceinline__ void st_async1(uint32_t dst, float v, uint32_t bar) {
 // K [16][D] int8, V [16][D] int8 and (dynamic scales) 16 K and 16 V scales. The 16-byte column
 // chunks of row r are XOR-swizzled with swz(r) so that the fragment reads are free of bank
 // conflicts (D=128; the D=64 V reads are 2-way).
-__device__ __forceinline__ void cp_async16(unsigned smem, const void* gmem) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem), "l"(gmem));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
+// (cp_async16 / cp_async_commit / cp_async_wait: common/cuda_utils.cuh.)
 
 __device__ __forceinline__ int swz(int r) { return ((r & 1) << 2) ^ (((r >> 1) & 3) << 1); }
 
