@@ -299,6 +299,23 @@ def test_gemv_every_launch_shape(problem, launch, dtype, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("launch", _GEMV_SHAPES, ids=[f"r{r}w{w}c{c}" for r, w, c in _GEMV_SHAPES])
+@pytest.mark.parametrize("dtype", HALF, ids=["fp16", "bf16"])
+def test_gemv_bias_at_odd_element(launch, dtype, monkeypatch):
+    """The GEMV fetches each output pair's bias as one 4-byte word when the bias is 4-byte aligned;
+    a bias slice that starts at an odd element is read element by element. Both give the
+    reference's bits."""
+    _needs_kernel()
+    monkeypatch.setenv("QOPS_GEMV_SHAPE", ",".join(map(str, launch)))
+    m, n, k = 9, 208, 272
+    a, b, sa, sb, _ = make_inputs(m, n, k, device="cuda", dtype=dtype)
+    bias = (torch.randn(n + 1, device="cuda") * 2).to(dtype)[1:]
+    assert bias.data_ptr() % 4 == 2
+    d = run_and_check(a, b, sa, sb, dtype, bias, config="gemv")
+    assert torch.equal(d, qops.gemm._w8a8_gemm_ref(a, b, sa, sb, dtype, bias))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("pdl", ["1", "0"], ids=["pdl", "no_pdl"])
 def test_gemv_reads_what_the_previous_kernel_wrote(pdl, monkeypatch):
     """Programmatic dependent launch lets the GEMV launch before the previous kernel ends: it must
