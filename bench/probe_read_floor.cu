@@ -1,0 +1,174 @@
+// Probe: the fastest a kernel can *read* S bytes on this GPU, timed as the benchmarks time (a
+// CUDA graph of calls rotating over input sets that spill L2, median per call), at the weight
+// sizes of the decode GEMMs (docs/w8a8_gemm.md, "How far the floor is"). No math: each thread
+// XORs its 16-byte loads, so the time is launch + the memory system. Reported: the best of
+// several launch shapes (grid-stride or one contiguous slice per warp, 1-16 loads in flight per
+// thread, 1-16 CTAs per SM), with and without programmatic dependent launch, as a fraction of
+// the 1 GiB device copy (read + write), the ceiling the GEMM benchmark divides by.
+//
+// Standalone (CUDA runtime only, sm_90):
+//   nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a bench/probe_read_floor.cu \
+//        -o /tmp/probe_read_floor && /tmp/probe_read_floor [-v]
+// On the lent GPU (needs no qops build): bash tools/device_run.sh -t none --no-build \
+//   -x "nvcc ... && /tmp/probe_read_floor"
+#include <cuda_runtime.h>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+#include <algorithm>
+#include <string>
+#define CK(x)                                                                          \
+  do {                                                                                 \
+    const cudaError_t e_ = (x);                                                        \
+    if (e_ != cudaSuccess) {                                                           \
+      printf("CUDA error %s at line %d: %s\n", #x, __LINE__, cudaGetErrorString(e_)); \
+      exit(1);                                                                         \
+    }                                                                                  \
+  } while (0)
+
+__device__ __forceinline__ uint4 ld_stream(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+// As the GEMV does under PDL: let the next kernel launch, then wait for the previous one.
+__device__ __forceinline__ void pdl_start() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+
+// grid-stride over 16-byte vectors, U loads per iteration, all issued (from a safe address when
+// past the end, as the GEMV does), so a thread's loads are never serialized by a tail loop
+template <int U>
+__global__ void read_gs(const uint4* __restrict__ p, long n, unsigned* out, int pdl) {
+  if (pdl) pdl_start();
+  unsigned acc = 0;
+  const long stride = (long)gridDim.x * blockDim.x;
+  for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += U * stride) {
+    uint4 v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const long j = i + u * stride;
+      v[u] = ld_stream(p + (j < n ? j : 0));
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) if (i + u * stride < n) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+  }
+  if (acc == 0x9e3779b9u) out[0] = acc;
+}
+// contiguous slice per warp (like the GEMV: each warp streams its own range), U loads in flight
+template <int U>
+__global__ void read_slice(const uint4* __restrict__ p, long n, unsigned* out, int pdl) {
+  if (pdl) pdl_start();
+  const long warps = (long)gridDim.x * blockDim.x / 32;
+  const long w = ((long)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  const long v0 = n * w / warps, v1 = n * (w + 1) / warps;
+  unsigned acc = 0;
+  for (long i = v0 + lane; i - lane < v1; i += 32 * U) {
+    uint4 v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const long j = i + 32 * u;
+      v[u] = ld_stream(p + (j < v1 ? j : 0));
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) if (i + 32 * u < v1) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+  }
+  if (acc == 0x9e3779b9u) out[0] = acc;
+}
+
+typedef void (*Kern)(const uint4*, long, unsigned*, int);
+
+static void launch(Kern k, int grid, int block, const uint4* p, long n, unsigned* out, bool pdl,
+                   cudaStream_t s) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(grid); cfg.blockDim = dim3(block); cfg.stream = s;
+  cudaLaunchAttribute at[1];
+  at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  at[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = at; cfg.numAttrs = pdl ? 1 : 0;
+  CK(cudaLaunchKernelEx(&cfg, k, p, n, out, (int)pdl));
+}
+
+int main(int argc, char** argv) {
+  const bool verbose = argc > 1 && std::string(argv[1]) == "-v";
+  int sms; CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  cudaStream_t s; CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  cudaEvent_t e0, e1; CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
+  // 1 GiB copy, counting read + write (as qops.bench_utils.copy_bandwidth_gbps)
+  const size_t cb = 1ull << 30;
+  void *ca, *cbuf; CK(cudaMalloc(&ca, cb)); CK(cudaMalloc(&cbuf, cb)); CK(cudaMemset(ca, 1, cb));
+  std::vector<float> ct;
+  for (int r = 0; r < 12; ++r) {
+    CK(cudaEventRecord(e0, s)); CK(cudaMemcpyAsync(cbuf, ca, cb, cudaMemcpyDeviceToDevice, s));
+    CK(cudaEventRecord(e1, s)); CK(cudaEventSynchronize(e1));
+    float ms; CK(cudaEventElapsedTime(&ms, e0, e1)); ct.push_back(ms);
+  }
+  std::sort(ct.begin(), ct.end());
+  const double copy_gbps = 2.0 * cb / (ct[ct.size() / 2] * 1e-3) / 1e9;
+  printf("copy 1 GiB: %.0f GB/s, SMs %d\n", copy_gbps, sms);
+  CK(cudaFree(ca)); CK(cudaFree(cbuf));
+  unsigned* out; CK(cudaMalloc(&out, 4));
+
+  struct Sz { const char* name; long bytes; };
+  // bench/bench_w8a8_gemm.py's LAYERS: weight bytes N x K
+  std::vector<Sz> sizes = {{"70B-tp8.o", 8192L * 1024},     {"70B-tp8.qkv", 1280L * 8192},
+                           {"7B/8B.o", 4096L * 4096},       {"8B.qkv", 6144L * 4096},
+                           {"70B-tp8.down", 8192L * 3584},  {"7B.down", 4096L * 11008},
+                           {"7B.qkv", 12288L * 4096},       {"8B.down", 4096L * 14336},
+                           {"70B-tp8.gate_up", 7168L * 8192}, {"7B.gate_up", 22016L * 4096},
+                           {"8B.gate_up", 28672L * 4096}};
+  struct Cfg { const char* name; Kern k; int per_sm; int block; };
+  std::vector<Cfg> cfgs = {
+      {"gs4 x1 512", read_gs<4>, 1, 512},   {"gs4 x2 512", read_gs<4>, 2, 512},
+      {"gs4 x4 256", read_gs<4>, 4, 256},   {"gs8 x2 512", read_gs<8>, 2, 512},
+      {"gs8 x4 256", read_gs<8>, 4, 256},   {"gs4 x8 128", read_gs<4>, 8, 128},
+      {"sl4 x4 256", read_slice<4>, 4, 256}, {"sl8 x4 256", read_slice<8>, 4, 256},
+      {"sl8 x8 128", read_slice<8>, 8, 128}, {"sl8 x2 512", read_slice<8>, 2, 512},
+      {"sl16 x4 128", read_slice<16>, 4, 128}, {"gs16 x2 256", read_gs<16>, 2, 256},
+      {"gs2 x8 256", read_gs<2>, 8, 256}, {"gs1 x16 128", read_gs<1>, 16, 128}};
+  for (const Sz& z : sizes) {
+    const int nsets = std::max(2L, (long)((200L << 20) / z.bytes) + 1);
+    std::vector<uint4*> bufs(nsets);
+    for (auto& b : bufs) { CK(cudaMalloc(&b, z.bytes)); CK(cudaMemset(b, 3, z.bytes)); }
+    const long n = z.bytes / 16;
+    double best = 1e30; const char* bestn = ""; int best_pdl = 0;
+    for (int pdl = 0; pdl < 2; ++pdl) {
+      for (const Cfg& c : cfgs) {
+        // graph: calls rotating over the sets, ~1 ms per replay
+        const int calls = std::max(nsets, (int)(1000.0 / (z.bytes / copy_gbps / 1e3 + 2.0)));
+        cudaGraph_t g; cudaGraphExec_t ge;
+        CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+        for (int i = 0; i < calls; ++i) {
+          launch(c.k, c.per_sm * sms, c.block, bufs[i % nsets], n, out, pdl, s);
+        }
+        CK(cudaStreamEndCapture(s, &g)); CK(cudaGraphInstantiate(&ge, g, 0));
+        for (int w = 0; w < 3; ++w) CK(cudaGraphLaunch(ge, s));
+        std::vector<float> t;
+        for (int r = 0; r < 25; ++r) {
+          CK(cudaEventRecord(e0, s)); CK(cudaGraphLaunch(ge, s)); CK(cudaEventRecord(e1, s));
+          CK(cudaEventSynchronize(e1));
+          float ms;
+          CK(cudaEventElapsedTime(&ms, e0, e1));
+          t.push_back(ms);
+        }
+        std::sort(t.begin(), t.end());
+        const double us = t[t.size() / 2] * 1e3 / calls;
+        const double frac = z.bytes / (us * 1e-6) / 1e9 / copy_gbps;
+        if (verbose) {
+          printf("  %-15s %6.2f MB  %-12s pdl=%d  %7.2f us  %.3f of copy\n", z.name, z.bytes / 1e6,
+                 c.name, pdl, us, frac);
+        }
+        if (us < best) { best = us; bestn = c.name; best_pdl = pdl; }
+        CK(cudaGraphExecDestroy(ge)); CK(cudaGraphDestroy(g));
+      }
+    }
+    printf("%-15s %7.2f MB  floor %7.2f us  %.3f of copy  (%s%s)\n", z.name, z.bytes / 1e6, best,
+           z.bytes / (best * 1e-6) / 1e9 / copy_gbps, bestn, best_pdl ? ", pdl" : "");
+    for (auto b : bufs) CK(cudaFree(b));
+  }
+  CK(cudaGetLastError()); CK(cudaDeviceSynchronize());
+  return 0;
+}
