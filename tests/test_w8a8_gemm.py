@@ -302,9 +302,9 @@ def test_gemv_every_launch_shape(problem, launch, dtype, monkeypatch):
 @pytest.mark.parametrize("launch", _GEMV_SHAPES, ids=[f"r{r}w{w}c{c}" for r, w, c in _GEMV_SHAPES])
 @pytest.mark.parametrize("dtype", HALF, ids=["fp16", "bf16"])
 def test_gemv_bias_at_odd_element(launch, dtype, monkeypatch):
-    """The GEMV fetches each output pair's bias as one 4-byte word when the bias is 4-byte aligned;
-    a bias slice that starts at an odd element is read element by element. Both give the
-    reference's bits."""
+    """The GEMV's M > 8 builds (M = 9 here) stage each output pair's bias as one 4-byte copy when
+    the bias is 4-byte aligned; a bias slice that starts at an odd element is read element by
+    element instead. Both give the reference's bits."""
     _needs_kernel()
     monkeypatch.setenv("QOPS_GEMV_SHAPE", ",".join(map(str, launch)))
     m, n, k = 9, 208, 272
