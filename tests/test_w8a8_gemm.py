@@ -276,8 +276,9 @@ def test_every_generated_kernel(config, shape, dtype, mode, bias):
 
 
 # The decode GEMV at every launch shape it has (QOPS_GEMV_SHAPE = rows of N per CTA, warps per
-# CTA, K chunks per load batch: csrc/gemm/w8a8_gemv.h kGemvShapes), for M of one row group and of two: rows that leave a partial last CTA (N = 48 with 16 rows),
-# K tails that are not a whole 64-byte chunk, more K slices than chunks (idle warps).
+# CTA, K chunks per load batch: csrc/gemm/w8a8_gemv.h kGemvShapes), for M of one row group and
+# of two: rows that leave a partial last CTA (N = 48 with 16 rows), K tails that are not a whole
+# 64-byte chunk, more K slices than chunks (idle warps).
 _GEMV_PROBLEMS = [(1, 48, 16), (3, 208, 272), (8, 1040, 4112), (9, 80, 1040), (16, 1296, 8208)]
 _GEMV_SHAPES = [(8, 4, 4), (8, 8, 4), (16, 8, 2), (8, 4, 8), (8, 8, 8)]
 

@@ -85,8 +85,6 @@ template <>
 struct Out2<__half> {
   using T = __half2;
   static __device__ __forceinline__ T make(float x, float y) { return __floats2half2_rn(x, y); }
-  static __device__ __forceinline__ float lo(T v) { return __low2float(v); }
-  static __device__ __forceinline__ float hi(T v) { return __high2float(v); }
   static __device__ __forceinline__ float get(const void* p, int i) {
     return __half2float(static_cast<const __half*>(p)[i]);
   }
@@ -95,8 +93,6 @@ template <>
 struct Out2<__nv_bfloat16> {
   using T = __nv_bfloat162;
   static __device__ __forceinline__ T make(float x, float y) { return __floats2bfloat162_rn(x, y); }
-  static __device__ __forceinline__ float lo(T v) { return __low2float(v); }
-  static __device__ __forceinline__ float hi(T v) { return __high2float(v); }
   static __device__ __forceinline__ float get(const void* p, int i) {
     return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
   }
@@ -119,15 +115,18 @@ struct EpiOperands {
   float sa, sb0, sb1, bias0, bias1;
 };
 
+template <typename OutT>
+__device__ __forceinline__ void load_bias_pair(EpiOperands& o, const void* bias, int n) {
+  o.bias0 = Out2<OutT>::get(bias, n);
+  o.bias1 = Out2<OutT>::get(bias, n + 1);
+}
+
 template <typename OutT, int J, int kPairs>
 __device__ __forceinline__ EpiOperands load_epi_operands(const EpiPair<J, kPairs>& e,
                                                          const Params& p) {
   EpiOperands o{p.a_scale[p.per_tensor ? 0 : e.m], p.b_scale[p.per_tensor ? 0 : e.n],
                 p.b_scale[p.per_tensor ? 0 : e.n + 1], 0.f, 0.f};
-  if (p.bias != nullptr) {
-    o.bias0 = Out2<OutT>::get(p.bias, e.n);
-    o.bias1 = Out2<OutT>::get(p.bias, e.n + 1);
-  }
+  if (p.bias != nullptr) load_bias_pair<OutT>(o, p.bias, e.n);
   return o;
 }
 
@@ -155,11 +154,10 @@ __device__ __forceinline__ EpiOperands staged_epi_operands(const EpiPair<J, kPai
   if (p.bias != nullptr) {
     if (bias_pairs_aligned(p)) {
       const auto pair = *reinterpret_cast<const typename Out2<OutT>::T*>(&w[3]);
-      o.bias0 = Out2<OutT>::lo(pair);
-      o.bias1 = Out2<OutT>::hi(pair);
+      o.bias0 = __low2float(pair);
+      o.bias1 = __high2float(pair);
     } else {
-      o.bias0 = Out2<OutT>::get(p.bias, e.n);
-      o.bias1 = Out2<OutT>::get(p.bias, e.n + 1);
+      load_bias_pair<OutT>(o, p.bias, e.n);
     }
   }
   return o;
