@@ -3,8 +3,10 @@
 // sizes of the decode GEMMs (docs/w8a8_gemm.md, "How far the floor is"). No math: each thread
 // XORs its 16-byte loads, so the time is launch + the memory system. Reported: the best of
 // several launch shapes (grid-stride or one contiguous slice per warp, 1-16 loads in flight per
-// thread, 1-16 CTAs per SM), with and without programmatic dependent launch, as a fraction of
-// the 1 GiB device copy (read + write), the ceiling the GEMM benchmark divides by.
+// thread, 1-16 CTAs per SM; and bulk copies into shared memory -- cp.async.bulk, the TMA engine
+// without a tensor map -- of one slice per CTA or of chunks dealt grid-stride), with and without
+// programmatic dependent launch, as a fraction of the 1 GiB device copy (read + write), the
+// ceiling the GEMM benchmark divides by. -v prints every shape.
 //
 // Standalone (CUDA runtime only, sm_90):
 //   nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a bench/probe_read_floor.cu \
@@ -12,6 +14,7 @@
 // On the lent GPU (needs no qops build): bash tools/device_run.sh -t none --no-build \
 //   -x "nvcc ... && /tmp/probe_read_floor"
 #include <cuda_runtime.h>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
@@ -79,12 +82,57 @@ __global__ void read_slice(const uint4* __restrict__ p, long n, unsigned* out, i
   if (acc == 0x9e3779b9u) out[0] = acc;
 }
 
+// Bulk copies (the TMA engine's cp.async.bulk, no tensor map) of one contiguous slice per CTA into
+// a ring of ST shared-memory stages of C bytes: one thread issues everything, so the bytes in
+// flight are bounded by shared memory, not by registers. The data is not used (the probe times the
+// memory system), except one word, so the stages are really waited for.
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void bar_wait(uint64_t* b, unsigned parity) {
+  asm volatile(
+      "{\n.reg .pred d;\nW_%=:\nmbarrier.try_wait.parity.shared::cta.b64 d, [%0], %1;\n"
+      "@!d bra W_%=;\n}\n" ::"r"(smem_u32(b)), "r"(parity) : "memory");
+}
+// GS: chunk c goes to CTA c % gridDim.x (the grid-stride order; otherwise one slice per CTA).
+template <int ST, int C, bool GS = false>
+__global__ void read_bulk(const uint4* __restrict__ p, long n, unsigned* out, int pdl) {
+  extern __shared__ __align__(128) unsigned char ring[];
+  __shared__ __align__(8) uint64_t bar[ST];
+  if (threadIdx.x != 0) return;
+  if (pdl) pdl_start();
+  const long bytes = n * 16, g = gridDim.x;
+  const long b0 = GS ? blockIdx.x * static_cast<long>(C) : (bytes * blockIdx.x / g) & ~15L;
+  const long b1 = GS || blockIdx.x + 1 == g ? bytes : (bytes * (blockIdx.x + 1) / g) & ~15L;
+  const long step = GS ? g * C : C;
+  for (int i = 0; i < ST; ++i)
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(&bar[i])) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  const char* src = reinterpret_cast<const char*>(p);
+  int k = 0;
+  for (long off = b0; off < b1; off += step, ++k) {
+    const int st = k % ST;
+    if (k >= ST) bar_wait(&bar[st], ((k / ST) - 1) & 1);
+    const unsigned sz = static_cast<unsigned>(b1 - off < C ? b1 - off : C);
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(&bar[st])),
+                 "r"(sz) : "memory");
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+        ::"r"(smem_u32(ring + st * C)), "l"(src + off), "r"(sz), "r"(smem_u32(&bar[st]))
+        : "memory");
+  }
+  for (int j = k > ST ? k - ST : 0; j < k; ++j) bar_wait(&bar[j % ST], (j / ST) & 1);
+  const unsigned acc = k ? *reinterpret_cast<const unsigned*>(ring) : 0u;
+  if (acc == 0x9e3779b9u) out[0] = acc;
+}
+
 typedef void (*Kern)(const uint4*, long, unsigned*, int);
 
-static void launch(Kern k, int grid, int block, const uint4* p, long n, unsigned* out, bool pdl,
-                   cudaStream_t s) {
+static void launch(Kern k, int grid, int block, int smem, const uint4* p, long n, unsigned* out,
+                   bool pdl, cudaStream_t s) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(grid); cfg.blockDim = dim3(block); cfg.stream = s;
+  cfg.dynamicSmemBytes = smem;
   cudaLaunchAttribute at[1];
   at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   at[0].val.programmaticStreamSerializationAllowed = 1;
@@ -120,7 +168,7 @@ int main(int argc, char** argv) {
                            {"7B.qkv", 12288L * 4096},       {"8B.down", 4096L * 14336},
                            {"70B-tp8.gate_up", 7168L * 8192}, {"7B.gate_up", 22016L * 4096},
                            {"8B.gate_up", 28672L * 4096}};
-  struct Cfg { const char* name; Kern k; int per_sm; int block; };
+  struct Cfg { const char* name; Kern k; int per_sm; int block; int smem = 0; };
   std::vector<Cfg> cfgs = {
       {"gs4 x1 512", read_gs<4>, 1, 512},   {"gs4 x2 512", read_gs<4>, 2, 512},
       {"gs4 x4 256", read_gs<4>, 4, 256},   {"gs8 x2 512", read_gs<8>, 2, 512},
@@ -128,7 +176,25 @@ int main(int argc, char** argv) {
       {"sl4 x4 256", read_slice<4>, 4, 256}, {"sl8 x4 256", read_slice<8>, 4, 256},
       {"sl8 x8 128", read_slice<8>, 8, 128}, {"sl8 x2 512", read_slice<8>, 2, 512},
       {"sl16 x4 128", read_slice<16>, 4, 128}, {"gs16 x2 256", read_gs<16>, 2, 256},
-      {"gs2 x8 256", read_gs<2>, 8, 256}, {"gs1 x16 128", read_gs<1>, 16, 128}};
+      {"gs2 x8 256", read_gs<2>, 8, 256}, {"gs1 x16 128", read_gs<1>, 16, 128},
+      // bulk: stages x bytes, CTAs per SM (shared memory: up to 227 KB per SM)
+      {"bulk 4x16K x3", read_bulk<4, 16384>, 3, 32, 4 * 16384},
+      {"bulk 2x32K x3", read_bulk<2, 32768>, 3, 32, 2 * 32768},
+      {"bulk 8x8K x2", read_bulk<8, 8192>, 2, 32, 8 * 8192},
+      {"bulk 4x8K x6", read_bulk<4, 8192>, 6, 32, 4 * 8192},
+      {"bulk 8x4K x6", read_bulk<8, 4096>, 6, 32, 8 * 4096},
+      {"bulk 4x4K x12", read_bulk<4, 4096>, 12, 32, 4 * 4096},
+      {"bulk 8x16K x1", read_bulk<8, 16384>, 1, 32, 8 * 16384},
+      {"bulk-gs 4x16K x3", read_bulk<4, 16384, true>, 3, 32, 4 * 16384},
+      {"bulk-gs 4x8K x6", read_bulk<4, 8192, true>, 6, 32, 4 * 8192},
+      {"bulk-gs 8x4K x6", read_bulk<8, 4096, true>, 6, 32, 8 * 4096},
+      {"bulk-gs 8x2K x8", read_bulk<8, 2048, true>, 8, 32, 8 * 2048},
+      {"bulk-gs 16x1K x8", read_bulk<16, 1024, true>, 8, 32, 16 * 1024}};
+  for (const Cfg& c : cfgs) {
+    if (c.smem > 48 * 1024) {
+      CK(cudaFuncSetAttribute(c.k, cudaFuncAttributeMaxDynamicSharedMemorySize, c.smem));
+    }
+  }
   for (const Sz& z : sizes) {
     const int nsets = std::max(2L, (long)((200L << 20) / z.bytes) + 1);
     std::vector<uint4*> bufs(nsets);
@@ -142,7 +208,7 @@ int main(int argc, char** argv) {
         cudaGraph_t g; cudaGraphExec_t ge;
         CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
         for (int i = 0; i < calls; ++i) {
-          launch(c.k, c.per_sm * sms, c.block, bufs[i % nsets], n, out, pdl, s);
+          launch(c.k, c.per_sm * sms, c.block, c.smem, bufs[i % nsets], n, out, pdl, s);
         }
         CK(cudaStreamEndCapture(s, &g)); CK(cudaGraphInstantiate(&ge, g, 0));
         for (int w = 0; w < 3; ++w) CK(cudaGraphLaunch(ge, s));
