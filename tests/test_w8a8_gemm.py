@@ -300,6 +300,23 @@ def test_gemv_every_launch_shape(problem, launch, dtype, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16])
+@pytest.mark.parametrize("dtype", HALF, ids=["fp16", "bf16"])
+def test_gemv_own_shape_at_multi_wave_layers(m, dtype, monkeypatch):
+    """The GEMV's own shape choice, which counts waves from the occupancy API where N > 4096
+    (csrc/gemm/w8a8_gemv.cu gemv_shape), on layers whose grids take more than one wave: 70B-tp8
+    down (N = 8192, K = 3584; 8 chunks at M = 16 on an H100) and N = 8208 with K = 2064 (a tail
+    that is not a whole 64-byte chunk), where the same holds."""
+    _needs_kernel()
+    monkeypatch.delenv("QOPS_GEMV_SHAPE", raising=False)
+    for n, k in [(8192, 3584), (8208, 2064)]:
+        a, b, sa, sb, bz = make_inputs(m, n, k, device="cuda", per_token=True, per_channel=True, bias=True,
+                                       dtype=dtype)
+        d = run_and_check(a, b, sa, sb, dtype, bz, config="gemv")
+        assert torch.equal(d, qops.gemm._w8a8_gemm_ref(a, b, sa, sb, dtype, bz))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("launch", _GEMV_SHAPES, ids=[f"r{r}w{w}c{c}" for r, w, c in _GEMV_SHAPES])
 @pytest.mark.parametrize("dtype", HALF, ids=["fp16", "bf16"])
 def test_gemv_bias_at_odd_element(launch, dtype, monkeypatch):

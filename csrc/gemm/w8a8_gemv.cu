@@ -27,6 +27,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <atomic>
 #include <cstdint>
 
 namespace qops {
@@ -277,33 +278,78 @@ __global__ void __launch_bounds__(kWarps * 32) w8a8_gemv_kernel(const Params p) 
 // pdl: launch with programmatic stream serialization (sm_90): the kernel's CTAs may launch
 // while the previous kernel in the stream finishes; they wait for it (griddepcontrol.wait)
 // before reading anything. Inside a CUDA graph this becomes a programmatic edge.
+// With `resident` set, reports the build's resident CTAs per SM (the occupancy API: registers,
+// shared memory, threads) instead of launching.
 template <int J, int U, int kWarps, bool kM16, typename OutT>
-cudaError_t launch_variant(const Params& p, bool pdl, cudaStream_t stream) {
-  return launch_kernel(w8a8_gemv_kernel<J, U, kWarps, kM16, OutT>,
-                       dim3((p.n + 8 * J - 1) / (8 * J)), dim3(kWarps * 32), stream, pdl, p);
+cudaError_t launch_variant(const Params& p, bool pdl, cudaStream_t stream, int* resident) {
+  const auto kernel = w8a8_gemv_kernel<J, U, kWarps, kM16, OutT>;
+  if (resident != nullptr) {
+    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(resident, kernel, kWarps * 32, 0);
+  }
+  return launch_kernel(kernel, dim3((p.n + 8 * J - 1) / (8 * J)), dim3(kWarps * 32), stream, pdl,
+                       p);
 }
 
 // The variants, kGemvShapes (docs/w8a8_gemm.md has the sweeps they were picked from; gemv_shape
 // chooses): 8 rows x 4 or 8 warps with 4 or 8 chunks per load batch, and 16 rows x 8 warps with 2
 // chunks per batch (each activation load serves two row groups).
 template <bool kM16, typename OutT>
-cudaError_t launch_shape(const Params& p, GemvShape s, bool pdl, cudaStream_t stream) {
+cudaError_t launch_shape(const Params& p, GemvShape s, bool pdl, cudaStream_t stream,
+                         int* resident = nullptr) {
   const auto is = [&](int rows, int warps, int chunks) {
     return s.rows_per_cta == rows && s.warps == warps && s.chunks == chunks;
   };
-  if (is(8, 4, 4)) return launch_variant<1, 4, 4, kM16, OutT>(p, pdl, stream);
-  if (is(8, 8, 4)) return launch_variant<1, 4, 8, kM16, OutT>(p, pdl, stream);
-  if (is(16, 8, 2)) return launch_variant<2, 2, 8, kM16, OutT>(p, pdl, stream);
-  if (is(8, 4, 8)) return launch_variant<1, 8, 4, kM16, OutT>(p, pdl, stream);
-  if (is(8, 8, 8)) return launch_variant<1, 8, 8, kM16, OutT>(p, pdl, stream);
+  if (is(8, 4, 4)) return launch_variant<1, 4, 4, kM16, OutT>(p, pdl, stream, resident);
+  if (is(8, 8, 4)) return launch_variant<1, 4, 8, kM16, OutT>(p, pdl, stream, resident);
+  if (is(16, 8, 2)) return launch_variant<2, 2, 8, kM16, OutT>(p, pdl, stream, resident);
+  if (is(8, 4, 8)) return launch_variant<1, 8, 4, kM16, OutT>(p, pdl, stream, resident);
+  if (is(8, 8, 8)) return launch_variant<1, 8, 8, kM16, OutT>(p, pdl, stream, resident);
   return cudaErrorInvalidValue;  // not in kGemvShapes
+}
+
+// Resident CTAs per SM of the 8-row, 4-warp builds with 4 and 8 chunks per batch, for this M
+// (<= 8 or not) and output dtype on the current device: what gemv_shape needs to count waves.
+// The occupancy API is asked once per (device, build) and the answer cached; {0, 0} (unknown:
+// gemv_shape keeps its plain rule) if it fails.
+struct Resident {
+  int c4 = 0, c8 = 0;
+};
+Resident resident_8x4(bool m16, bool fp16) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cache[kMaxDevices][2][2][2];  // [device][m16][fp16][c4, c8]; 0: not yet
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) {
+    cudaGetLastError();
+    return {};
+  }
+  const Params none{};
+  int r[2];
+  for (int i = 0; i < 2; ++i) {
+    std::atomic<int>& slot = cache[dev][m16][fp16][i];
+    r[i] = slot.load(std::memory_order_relaxed);
+    if (r[i] > 0) continue;
+    const GemvShape s{8, 4, i == 0 ? 4 : 8};
+    int v = 0;
+    const cudaError_t err =
+        fp16 ? (m16 ? launch_shape<true, __half>(none, s, false, nullptr, &v)
+                    : launch_shape<false, __half>(none, s, false, nullptr, &v))
+             : (m16 ? launch_shape<true, __nv_bfloat16>(none, s, false, nullptr, &v)
+                    : launch_shape<false, __nv_bfloat16>(none, s, false, nullptr, &v));
+    if (err != cudaSuccess || v <= 0) {
+      cudaGetLastError();  // leave no sticky error for the launch that follows
+      return {};
+    }
+    slot.store(v, std::memory_order_relaxed);
+    r[i] = v;
+  }
+  return {r[0], r[1]};
 }
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 }  // namespace
 
-GemvShape gemv_shape(int m, int n, int k, int sm_count) {
+GemvShape gemv_shape(int m, int n, int k, int sm_count, int resident_c4, int resident_c8) {
   // From bench/bench_w8a8_gemm.py --gemv-shapes on the H100 (docs/w8a8_gemm.md): 8 rows x 4 warps
   // streams best in general; 8 warps where the 8-row CTAs are fewer than two per SM (more warps
   // per SM) or, at M <= 8, where K is long (shorter serial chains per warp); at M > 8 with short
@@ -311,9 +357,24 @@ GemvShape gemv_shape(int m, int n, int k, int sm_count) {
   // instead of 4 where N <= 4096 (at M <= 8 only up to K = 8192): twice the weight bytes in
   // flight per warp, at 98-126 registers instead of 50-80 (fewer CTAs per SM, which the larger
   // N do not afford: 8B qkv, N = 6144, M = 16: 11.2 -> 11.8 us).
+  //
+  // Past N = 4096, 8 chunks are still taken where they cost no extra wave: where the 4-chunk
+  // grid spills into a second (third, ...) wave anyway, and the 8-chunk grid, at its fewer CTAs
+  // per SM, takes no more waves. 70B-tp8 down at M = 16: 1024 CTAs meet 924 slots with 4 chunks
+  // (a last wave of 100 CTAs) and 528 with 8 (two full waves): 14.4 -> 13.2 us. (8B qkv at
+  // M = 16, one wave with 4 chunks and two with 8, keeps 4.)
   if (m > 8 && k <= 2048) return GemvShape{16, 8, 2};
-  const int chunks = n <= 4096 && (m > 8 || k <= 8192) ? 8 : 4;
+  const bool short_k = m > 8 || k <= 8192;
+  int chunks = n <= 4096 && short_k ? 8 : 4;
   if (n / 8 < 2 * sm_count || (m <= 8 && k >= 8192)) return GemvShape{8, 8, chunks};
+  if (chunks == 4 && short_k && resident_c4 > 0 && resident_c8 > 0) {
+    const int64_t ctas = (n + 7) / 8;
+    const auto waves = [&](int per_sm) {
+      const int64_t slots = static_cast<int64_t>(per_sm) * sm_count;
+      return (ctas + slots - 1) / slots;
+    };
+    if (waves(resident_c4) > 1 && waves(resident_c8) <= waves(resident_c4)) chunks = 8;
+  }
   return GemvShape{8, 4, chunks};
 }
 
@@ -327,12 +388,15 @@ cudaError_t gemv(const Problem& pr, int sm_count, cudaStream_t stream, size_t* w
       (pr.n > 1 && pr.ldb % 16 != 0) || pr.ldd % 2 != 0 || reinterpret_cast<uintptr_t>(pr.d) % 4) {
     return cudaErrorInvalidValue;
   }
-  GemvShape s = gemv_shape(pr.m, pr.n, pr.k, sm_count);
-  if (pr.gemv_rows_per_cta != 0) s = GemvShape{pr.gemv_rows_per_cta, pr.gemv_warps, pr.gemv_chunks};
+  const bool m16 = pr.m > 8, pdl = !pr.gemv_no_pdl;
+  GemvShape s{pr.gemv_rows_per_cta, pr.gemv_warps, pr.gemv_chunks};
+  if (s.rows_per_cta == 0) {
+    const Resident r = resident_8x4(m16, pr.out_dtype == OutDtype::kFloat16);
+    s = gemv_shape(pr.m, pr.n, pr.k, sm_count, r.c4, r.c8);
+  }
   const Params p{pr.a,       pr.lda,   pr.b,   pr.ldb, pr.a_scale, pr.b_scale,
                  pr.bias,    pr.d,     pr.ldd, pr.m,   pr.n,       pr.k,
                  pr.scale_mode == ScaleMode::kPerTensor};
-  const bool m16 = pr.m > 8, pdl = !pr.gemv_no_pdl;
   if (pr.out_dtype == OutDtype::kFloat16) {
     return m16 ? launch_shape<true, __half>(p, s, pdl, stream)
                : launch_shape<false, __half>(p, s, pdl, stream);

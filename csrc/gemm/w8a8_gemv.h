@@ -41,8 +41,10 @@ struct GemvShape {
 // The built shapes (each a kernel instantiation; QOPS_GEMV_SHAPE can force any of them).
 constexpr GemvShape kGemvShapes[] = {{8, 4, 4}, {8, 8, 4}, {16, 8, 2}, {8, 4, 8}, {8, 8, 8}};
 
-// The shape the GEMV picks for this problem (one of kGemvShapes).
-GemvShape gemv_shape(int m, int n, int k, int sm_count);
+// The shape the GEMV picks for this problem (one of kGemvShapes). resident_c4 / resident_c8: the
+// resident CTAs per SM of the 8-row, 4-warp builds with 4 / 8 chunks per batch for this M and
+// output dtype (the occupancy API's answer; 0 when unknown), to count the grid's waves.
+GemvShape gemv_shape(int m, int n, int k, int sm_count, int resident_c4, int resident_c8);
 
 }  // namespace w8a8_sm90
 }  // namespace qops
