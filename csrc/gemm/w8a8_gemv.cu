@@ -307,6 +307,17 @@ cudaError_t launch_shape(const Params& p, GemvShape s, bool pdl, cudaStream_t st
   return cudaErrorInvalidValue;  // not in kGemvShapes
 }
 
+// launch_shape for the build of this M (> 8 or not) and output dtype.
+cudaError_t launch_build(const Params& p, GemvShape s, bool m16, bool fp16, bool pdl,
+                         cudaStream_t stream, int* resident = nullptr) {
+  if (fp16) {
+    return m16 ? launch_shape<true, __half>(p, s, pdl, stream, resident)
+               : launch_shape<false, __half>(p, s, pdl, stream, resident);
+  }
+  return m16 ? launch_shape<true, __nv_bfloat16>(p, s, pdl, stream, resident)
+             : launch_shape<false, __nv_bfloat16>(p, s, pdl, stream, resident);
+}
+
 // Resident CTAs per SM of the 8-row, 4-warp builds with 4 and 8 chunks per batch, for this M
 // (<= 8 or not) and output dtype on the current device: what gemv_shape needs to count waves.
 // The occupancy API is asked once per (device, build) and the answer cached; {0, 0} (unknown:
@@ -328,13 +339,9 @@ Resident resident_8x4(bool m16, bool fp16) {
     std::atomic<int>& slot = cache[dev][m16][fp16][i];
     r[i] = slot.load(std::memory_order_relaxed);
     if (r[i] > 0) continue;
-    const GemvShape s{8, 4, i == 0 ? 4 : 8};
     int v = 0;
     const cudaError_t err =
-        fp16 ? (m16 ? launch_shape<true, __half>(none, s, false, nullptr, &v)
-                    : launch_shape<false, __half>(none, s, false, nullptr, &v))
-             : (m16 ? launch_shape<true, __nv_bfloat16>(none, s, false, nullptr, &v)
-                    : launch_shape<false, __nv_bfloat16>(none, s, false, nullptr, &v));
+        launch_build(none, GemvShape{8, 4, i == 0 ? 4 : 8}, m16, fp16, false, nullptr, &v);
     if (err != cudaSuccess || v <= 0) {
       cudaGetLastError();  // leave no sticky error for the launch that follows
       return {};
@@ -388,21 +395,16 @@ cudaError_t gemv(const Problem& pr, int sm_count, cudaStream_t stream, size_t* w
       (pr.n > 1 && pr.ldb % 16 != 0) || pr.ldd % 2 != 0 || reinterpret_cast<uintptr_t>(pr.d) % 4) {
     return cudaErrorInvalidValue;
   }
-  const bool m16 = pr.m > 8, pdl = !pr.gemv_no_pdl;
+  const bool m16 = pr.m > 8, fp16 = pr.out_dtype == OutDtype::kFloat16;
   GemvShape s{pr.gemv_rows_per_cta, pr.gemv_warps, pr.gemv_chunks};
   if (s.rows_per_cta == 0) {
-    const Resident r = resident_8x4(m16, pr.out_dtype == OutDtype::kFloat16);
+    const Resident r = resident_8x4(m16, fp16);
     s = gemv_shape(pr.m, pr.n, pr.k, sm_count, r.c4, r.c8);
   }
   const Params p{pr.a,       pr.lda,   pr.b,   pr.ldb, pr.a_scale, pr.b_scale,
                  pr.bias,    pr.d,     pr.ldd, pr.m,   pr.n,       pr.k,
                  pr.scale_mode == ScaleMode::kPerTensor};
-  if (pr.out_dtype == OutDtype::kFloat16) {
-    return m16 ? launch_shape<true, __half>(p, s, pdl, stream)
-               : launch_shape<false, __half>(p, s, pdl, stream);
-  }
-  return m16 ? launch_shape<true, __nv_bfloat16>(p, s, pdl, stream)
-             : launch_shape<false, __nv_bfloat16>(p, s, pdl, stream);
+  return launch_build(p, s, m16, fp16, !pr.gemv_no_pdl, stream);
 }
 
 }  // namespace w8a8_sm90

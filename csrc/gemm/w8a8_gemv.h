@@ -25,9 +25,9 @@ namespace w8a8_sm90 {
 constexpr int kGemvMaxM = 16;
 
 // Runs d = dequant(a @ b^T) for p.m <= kGemvMaxM on `stream` (the generated table's launch
-// signature: `sm_count` sizes the grid; with `workspace_bytes` set, reports 0 and launches
+// signature: `sm_count` feeds gemv_shape; with `workspace_bytes` set, reports 0 and launches
 // nothing). No allocation, no host synchronization. cudaErrorInvalidValue when p.m > kGemvMaxM
-// or the layout contract of Problem is broken (alignment, k % 16, n % 8); launch errors otherwise.
+// or the layout contract of Problem is broken (alignment, k % 16, n % 2); launch errors otherwise.
 cudaError_t gemv(const Problem& p, int sm_count, cudaStream_t stream, size_t* workspace_bytes);
 
 // A launch shape of the GEMV: rows of N per CTA, warps (K slices) per CTA, and 64-byte K chunks

@@ -38,8 +38,8 @@ __device__ __forceinline__ void load16(const T* p, float (&x)[kElems]) {
   }
 }
 
-// 16 int8 of the qops convention (x / s rounded and saturated), as one 16-byte word: without a division
-// per element where the scale allows (RowQuant, common/cuda_utils.cuh; the same quotient).
+// 16 int8 of the qops convention (x / s rounded and saturated), as one 16-byte word: without a
+// division per element where the scale allows (RowQuant, common/cuda_utils.cuh; the same quotient).
 // kInfCheck: an element may be +-Inf on the fast path (static scales; a dynamic scale's fast path
 // has only finite elements).
 template <bool kFast, bool kInfCheck>
