@@ -56,10 +56,11 @@ CONFIGS: tuple[TileConfig, ...] = (
     TileConfig((128, 128, 128), (2, 1, 1), "pingpong", rate=0.93),
     # Prefill at small N (70B-tp8 qkv, N = 1280: 10 N tiles): stream-K spreads K over the SMs.
     TileConfig((128, 128, 128), (1, 1, 1), "cooperative", stream_k=True, rate=0.7),
-    # Stream-K with the large tile, for prefill where the 128x256 tiles fill a fraction of a wave
-    # and K is long: 70B-tp8 qkv at M = 3000-4500 (0.87x the 128x128 tiles' time), 8B o at
-    # M = 1100 (0.82-0.92x). Elsewhere its partial-tile fixup costs more than it saves, so no rule
-    # names it: only the tuned table picks it.
+    # Stream-K with the large tile, for prefill where the 128x256 tiles fill a fraction of their
+    # last wave: e.g. 7B gate_up at M = 300 takes 0.71x the data-parallel tiles' time, 8B down at
+    # M = 1100 0.79x, 70B-tp8 qkv at M = 3500-7000 0.87x. Where the waves are full its partial-tile
+    # fixup costs more than it saves (8B qkv, M = 1024: 1.27x), which the wave model of the rules
+    # does not know, so no rule names it: only the tuned table picks it.
     TileConfig((128, 256, 128), (1, 1, 1), "cooperative", stream_k=True),
     # Prefill (large M and N): 1.3-1.55 POP/s at M >= 1024 on the Llama layers.
     TileConfig((128, 256, 128), (2, 1, 1), "cooperative"),
