@@ -118,7 +118,7 @@ def sweep(layers, ms, out_dir, repeats: int = 1) -> list[dict]:
     import torch
 
     sys.path.insert(0, HERE)
-    from bench_w8a8_gemm import time_ours  # the same timing (CUDA graph, rotated L2-cold inputs)
+    from bench_w8a8_gemm import time_configs  # the same timing (CUDA graphs, rotated L2-cold inputs)
 
     rows = []
     path = os.path.join(out_dir, "tune_w8a8.csv")
@@ -128,10 +128,10 @@ def sweep(layers, ms, out_dir, repeats: int = 1) -> list[dict]:
         for m in ms:
             r = {"layer": layer, "M": m, "N": n, "K": k}
             names = table.config_names(m)  # the configs that serve m rows
-            # `repeats` rounds over all configs, the median per config: one slow sample (clock,
-            # a neighbour's traffic) cannot decide a bucket
-            times = {c: sorted(t) for c, t in zip(names, zip(*[[time_ours(m, n, k, c) for c in names]
-                                                                for _ in range(repeats)]))}
+            # the configs timed interleaved (same clock and power state), `repeats` times on
+            # fresh inputs, the median per config: one slow round cannot decide a bucket
+            rounds = [time_configs(m, n, k, names) for _ in range(repeats)]
+            times = {c: sorted(t[c] for t in rounds) for c in names}
             for c in names:
                 r[f"{c}_us"] = times[c][len(times[c]) // 2]
             rows.append(r)
