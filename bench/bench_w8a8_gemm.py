@@ -1,5 +1,4 @@
-"""w8a8_gemm (per-token x per-channel, bf16 out) against its anchors, in one run, at Llama layer shapes
-(ours and the anchors timed interleaved, one CUDA-graph replay of each in turn).
+"""w8a8_gemm (per-token x per-channel, bf16 out) against its anchors, in one run, at Llama layer shapes.
 
 Anchors: bf16 ``F.linear`` (cuBLAS), ``torch._int_mm`` + eager dequant (cuBLASLt int8; M > 16 only)
 and fp8 ``torch._scaled_mm`` with row-wise scales (cuBLASLt). Reports TOP/s (2MNK per call), GB/s of
@@ -140,31 +139,32 @@ def run_epilogues(layers, tokens, out_dir) -> None:
                        "fp16_over_bf16"])
 
 
-def linear_maker(m, n, k):
-    """bf16 ``F.linear`` (cuBLAS): ``(make_call, n_sets)`` for the bench_utils timers."""
+def time_linear(m, n, k):
+    n_sets = l2_rotation_sets(2 * (m * k + n * k + m * n))
+
     def make(i):
         x, w = torch.randn(m, k, device="cuda", dtype=OUT), torch.randn(n, k, device="cuda", dtype=OUT)
         return lambda: F.linear(x, w)
 
-    return make, l2_rotation_sets(2 * (m * k + n * k + m * n))
+    return bench_us(make, n_sets)
 
 
-def int_mm_maker(m, n, k):
-    """``torch._int_mm`` + eager dequant (cuBLASLt int8); None at M <= 16 (_int_mm needs M > 16)."""
-    if m <= 16:
-        return None
+def time_int_mm(m, n, k):
+    if m <= 16:  # torch._int_mm needs M > 16
+        return math.nan
+    n_sets = l2_rotation_sets(m * k + n * k + 6 * m * n)
 
     def make(i):
         a, b = _int8(m, k), _int8(n, k)
         sa, sb = torch.rand(m, 1, device="cuda") * 0.02, torch.rand(1, n, device="cuda") * 1e-3
         return lambda: (torch._int_mm(a, b.t()) * sa * sb).to(OUT)
 
-    return make, l2_rotation_sets(m * k + n * k + 6 * m * n)
+    return bench_us(make, n_sets)
 
 
-def fp8_maker(m, n, k):
-    """fp8 ``torch._scaled_mm`` with row-wise scales (cuBLASLt); None where this build or shape
-    does not support it (checked with one call)."""
+def time_fp8(m, n, k):
+    n_sets = l2_rotation_sets(m * k + n * k + 2 * m * n)
+
     def make(i):
         a = torch.randn(m, k, device="cuda").to(torch.float8_e4m3fn)
         b = torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn)
@@ -172,36 +172,10 @@ def fp8_maker(m, n, k):
         return lambda: torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=OUT)
 
     try:
-        make(0)()
-    except RuntimeError as e:
+        return bench_us(make, n_sets)
+    except RuntimeError as e:  # row-wise fp8 unsupported for this shape or build
         print(f"fp8 anchor skipped at {m}x{n}x{k}: {str(e).splitlines()[0]}")
-        return None
-    return make, l2_rotation_sets(m * k + n * k + 2 * m * n)
-
-
-ANCHORS = {"linear_bf16": linear_maker, "int_mm_dequant": int_mm_maker, "fp8_rowwise": fp8_maker}
-
-
-def time_with_anchors(m, n, k) -> dict:
-    """Ours (auto config) and every anchor, timed interleaved (`bench_interleaved_us`): timed one
-    after the other, the ratios moved by up to 10% between runs with the GPU's clock and power
-    state. An anchor that cannot run here is NaN."""
-    ours_sets = l2_rotation_sets(m * k + n * k + 2 * m * n)
-    sets = [(_int8(m, k), _int8(n, k), torch.rand(m, device="cuda") * 0.02, torch.rand(n, device="cuda") * 1e-3)
-            for _ in range(ours_sets)]
-
-    def ours(i):
-        a, b, sa, sb = sets[i]
-        return lambda: qops.w8a8_gemm(a, b, sa, sb, OUT)
-
-    variants = {"ours": (ours, ours_sets)}
-    for name, maker in ANCHORS.items():
-        v = maker(m, n, k)
-        if v is not None:
-            variants[name] = v
-    times = bench_interleaved_us({name: v[0] for name, v in variants.items()},
-                                 {name: v[1] for name, v in variants.items()})
-    return {name: times.get(name, math.nan) for name in ["ours", *ANCHORS]}
+        return math.nan
 
 
 # The built launch shapes (csrc/gemm/w8a8_gemv.h kGemvShapes): rows of N, warps, K chunks per batch.
@@ -280,11 +254,12 @@ def main() -> None:
         for m in tokens:
             ops = 2.0 * m * n * k
             moved = m * k + n * k + 2 * m * n + 4 * (m + n)
+            us = time_ours(m, n, k)
             if args.no_anchors:
-                us, base = time_ours(m, n, k), {name: math.nan for name in ANCHORS}
+                base = {"linear_bf16": math.nan, "int_mm_dequant": math.nan, "fp8_rowwise": math.nan}
             else:
-                base = time_with_anchors(m, n, k)
-                us = base.pop("ours")
+                base = {"linear_bf16": time_linear(m, n, k), "int_mm_dequant": time_int_mm(m, n, k),
+                        "fp8_rowwise": time_fp8(m, n, k)}
             r = {"layer": layer, "M": m, "N": n, "K": k, "config": table.select_config(m, n, k, sms),
                  "us": us, "TOPs": ops / us * 1e-6, "GBps": moved / us * 1e-3,
                  "of_copy": moved / us * 1e-3 / copy_gbps if m <= 16 else math.nan}

@@ -15,7 +15,7 @@ import contextlib
 import csv
 import os
 import statistics
-from typing import Callable, Iterator, Optional, Sequence, Union
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -111,7 +111,7 @@ def bench_us(
 
 def bench_interleaved_us(
     makers: dict[str, Callable[[int], Callable[[], object]]],
-    n_sets: Union[int, dict[str, int]] = 4,
+    n_sets: int = 4,
     *,
     replays: int = 50,
     warmup: int = 5,
@@ -119,10 +119,8 @@ def bench_interleaved_us(
     """Median microseconds per call of several variants of one problem, timed interleaved: every
     replay round replays each variant's CUDA graph once, in turn. Variants timed one after the
     other drift apart with the GPU's clock and temperature (a compute-bound GEMM throttles within
-    milliseconds), by more than the few percent being compared; interleaved, they share them.
-    ``n_sets``: one count for all variants, or one per variant (their inputs differ in size)."""
-    sets = n_sets if isinstance(n_sets, dict) else {name: n_sets for name in makers}
-    runners = {name: _runner(make, sets[name], True) for name, make in makers.items()}
+    milliseconds), by more than the few percent being compared; interleaved, they share them."""
+    runners = {name: _runner(make, n_sets, True) for name, make in makers.items()}
     for _ in range(warmup):
         for run, _n in runners.values():
             run()
