@@ -58,7 +58,7 @@ def _int8(*shape):
 
 def time_ours(m, n, k, config="auto"):
     """Microseconds per call of one config (by default the one auto picks): `time_configs` with
-    one variant, which is `bench_us`'s timing."""
+    one variant (interleaving one graph with nothing is `bench_us`'s timing)."""
     return time_configs(m, n, k, [config])[config]
 
 
