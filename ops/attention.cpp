@@ -7,6 +7,7 @@
 #include <mutex>
 
 #include "attention/paged_decode_int8.h"
+#include "common/device_cache.h"
 #include "common.h"
 
 namespace qops_glue {
@@ -158,18 +159,13 @@ at::Tensor paged_decode_attention_int8_cuda(const at::Tensor& query, const at::T
   // The heuristic's count depends on the device only, not on QOPS_DECODE_CLUSTER_MERGE /
   // QOPS_DECODE_FUSED_REDUCE: those choose how the splits are merged, and the three merges of the
   // same splits give bit-identical outputs.
-  int major = 0;
+  qops::DeviceProps props;  // the guard made the query's device current
+  check_launch(qops::current_device_props(&props), op);
+  const int major = props.cc_major;
   if (splits == 0) {
-    int sms = 0;
-    check_launch(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount,
-                                        query.device().index()),
-                 op);
-    check_launch(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor,
-                                        query.device().index()),
-                 op);
     splits = qops::attention::paged_decode_int8_num_splits(
         static_cast<int>(B), static_cast<int>(HQ), static_cast<int>(HKV), static_cast<int>(D),
-        max_context, sms, /*cluster_merge=*/major >= 9);
+        max_context, props.sms, /*cluster_merge=*/major >= 9);
   }
   splits = std::min(splits, qops::attention::kPagedDecodeMaxSplits);
   splits = std::max(1, std::min<int>(splits, static_cast<int>((max_context + 15) / 16)));

@@ -28,6 +28,7 @@
 #include "attention/paged_decode_int8.h"
 
 #include "common/cuda_utils.cuh"  // to_float, from_float
+#include "common/device_cache.h"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -35,8 +36,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <mutex>
-#include <vector>
 
 namespace qops {
 namespace attention {
@@ -1074,12 +1073,11 @@ cudaError_t launch(const PagedDecodeInt8Params& p, cudaStream_t stream, int* max
   const int G = p.num_q_heads / p.num_kv_heads;
   const int HG = kTwoRows ? (G + 15) / 16 : 1;
   dim3 grid(p.num_splits, p.num_kv_heads * HG, p.batch);
-  int dev = 0, sms = 0;
-  cudaError_t err = cudaGetDevice(&dev);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  DeviceProps props;
+  cudaError_t err = current_device_props(&props);
   if (err != cudaSuccess) return err;
   const int64_t ctas = static_cast<int64_t>(grid.x) * grid.y * grid.z;
-  err = decode_warps(p.warps, ctas, sms) == 8
+  err = decode_warps(p.warps, ctas, props.sms) == 8
             ? launch_split<T, D, kTwoRows, kStatic, 8>(p, grid, stream, max_clusters)
             : launch_split<T, D, kTwoRows, kStatic, 4>(p, grid, stream, max_clusters);
   if (max_clusters != nullptr) return err;
@@ -1185,14 +1183,8 @@ bool paged_decode_int8_cluster_merge_fits(const PagedDecodeInt8Params& q) {
       p.batch < 1) {
     return false;
   }
-  int dev = 0, major = 0, sms = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
-    cudaGetLastError();
-    return false;
-  }
-  if (major < 9) return false;
+  DeviceProps props;
+  if (current_device_props(&props) != cudaSuccess || props.cc_major < 9) return false;
   // One cluster per (sequence, kv head, head group): as many as the fused merge's counters.
   const int64_t clusters_needed =
       paged_decode_int8_num_counters(p.batch, p.num_q_heads, p.num_kv_heads);
@@ -1201,27 +1193,29 @@ bool paged_decode_int8_cluster_merge_fits(const PagedDecodeInt8Params& q) {
   // launch picks depends on the dtype, D, the head grouping, static scales, and whether the grid
   // has at most one CTA per SM (8 warps) or not (4 warps).
   const int G = p.num_q_heads / p.num_kv_heads;
-  const int key = (((((dev * 2 + p.bf16) * 2 + (p.head_dim == 128)) * 2 + (G > 8)) * 2 +
-                    p.static_scales) * 2 + (decode_warps(p.warps, ctas, sms) == 8)) * 32 +
+  const int key = ((((p.bf16 * 2 + (p.head_dim == 128)) * 2 + (G > 8)) * 2 + p.static_scales) *
+                       2 +
+                   (decode_warps(p.warps, ctas, props.sms) == 8)) *
+                      32 +
                   p.num_splits;
   // The grid must be one wave of clusters: a cluster needs all its CTAs resident on one GPC at
   // once, so clusters beyond the co-resident count wait for a whole cluster to finish (measured:
   // 32 clusters of 4 one-CTA-per-SM CTAs, Llama-2-7B MHA at B = 1, ran 1.45x slower than the
-  // workspace merge).
-  static std::mutex mu;
-  static std::vector<std::pair<int, int>> cache;  // key -> co-resident clusters
-  std::lock_guard<std::mutex> lock(mu);
-  for (const auto& e : cache) {
-    if (e.first == key) return e.second >= clusters_needed;
-  }
+  // workspace merge). Co-resident clusters per configuration, asked once (common/device_cache.h);
+  // a configuration that cannot launch counts as "does not fit".
+  static const int tag = 0;
   int clusters = 0;
-  const cudaError_t err = p.bf16 ? dispatch_dim<__nv_bfloat16>(p, nullptr, &clusters)
-                                 : dispatch_dim<__half>(p, nullptr, &clusters);
-  if (err != cudaSuccess) {
-    cudaGetLastError();  // not launchable: report "does not fit"
-    clusters = 0;
-  }
-  cache.emplace_back(key, clusters);
+  if (cached_device_int(&tag, key,
+                        [&](int, int* c) {
+                          if ((p.bf16 ? dispatch_dim<__nv_bfloat16>(p, nullptr, c)
+                                      : dispatch_dim<__half>(p, nullptr, c)) != cudaSuccess) {
+                            cudaGetLastError();
+                            *c = 0;  // not launchable: remembered as "fits none"
+                          }
+                          return cudaSuccess;
+                        },
+                        &clusters) != cudaSuccess)
+    return false;
   return clusters >= clusters_needed;
 }
 

@@ -23,11 +23,11 @@
 #include "gemm/w8a8_gemv.h"
 
 #include "common/cuda_utils.cuh"  // pdl_wait, launch_kernel
+#include "common/device_cache.h"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include <atomic>
 #include <cstdint>
 
 namespace qops {
@@ -320,34 +320,23 @@ cudaError_t launch_build(const Params& p, GemvShape s, bool m16, bool fp16, bool
 
 // Resident CTAs per SM of the 8-row, 4-warp builds with 4 and 8 chunks per batch, for this M
 // (<= 8 or not) and output dtype on the current device: what gemv_shape needs to count waves.
-// The occupancy API is asked once per (device, build) and the answer cached; {0, 0} (unknown:
+// The occupancy API is asked once per (device, build) (common/device_cache.h); {0, 0} (unknown:
 // gemv_shape keeps its plain rule) if it fails.
 struct Resident {
   int c4 = 0, c8 = 0;
 };
 Resident resident_8x4(bool m16, bool fp16) {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> cache[kMaxDevices][2][2][2];  // [device][m16][fp16][c4, c8]; 0: not yet
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) {
-    cudaGetLastError();
-    return {};
-  }
-  const Params none{};
+  static const int tag = 0;  // this function's questions in the device cache
   int r[2];
   for (int i = 0; i < 2; ++i) {
-    std::atomic<int>& slot = cache[dev][m16][fp16][i];
-    r[i] = slot.load(std::memory_order_relaxed);
-    if (r[i] > 0) continue;
-    int v = 0;
-    const cudaError_t err =
-        launch_build(none, GemvShape{8, 4, i == 0 ? 4 : 8}, m16, fp16, false, nullptr, &v);
-    if (err != cudaSuccess || v <= 0) {
-      cudaGetLastError();  // leave no sticky error for the launch that follows
-      return {};
-    }
-    slot.store(v, std::memory_order_relaxed);
-    r[i] = v;
+    const int chunks = i == 0 ? 4 : 8;
+    const cudaError_t err = cached_device_int(
+        &tag, (m16 * 2 + fp16) * 16 + chunks,
+        [&](int, int* v) {
+          return launch_build(Params{}, GemvShape{8, 4, chunks}, m16, fp16, false, nullptr, v);
+        },
+        &r[i]);
+    if (err != cudaSuccess || r[i] <= 0) return {};
   }
   return {r[0], r[1]};
 }

@@ -12,11 +12,11 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include <atomic>
 #include <cstdint>
 #include <type_traits>
 
 #include "common/cuda_utils.cuh"
+#include "common/device_cache.h"
 
 namespace qops {
 namespace fq {
@@ -326,28 +326,19 @@ inline bool choose_row_shape_or_default(int64_t rows, int64_t nvec, int vec, int
                           out, max_threads);
 }
 
-// Multiprocessor count of the current device and whether it runs thread-block clusters (sm_90+),
-// read once per device.
+// Multiprocessor count of the current device and whether it runs thread-block clusters (sm_90+)
+// (common/device_cache.h: read once per device); an H100's count without clusters if the query
+// fails.
 struct DeviceInfo {
   int sms = 132;
   bool clusters = false;
 };
 inline DeviceInfo device_info() {
-  static std::atomic<int> cache[64];  // (sms << 1 | clusters) + 1; 0 = not read yet
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return DeviceInfo{};
-  int v = cache[dev].load(std::memory_order_relaxed);
-  if (v == 0) {
-    int sms = 0, major = 0;
-    if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess)
-      return DeviceInfo{};
-    v = ((sms << 1) | (major >= 9 ? 1 : 0)) + 1;
-    cache[dev].store(v, std::memory_order_relaxed);
-  }
+  DeviceProps props;
+  if (current_device_props(&props) != cudaSuccess) return DeviceInfo{};
   DeviceInfo d;
-  d.sms = (v - 1) >> 1;
-  d.clusters = ((v - 1) & 1) != 0;
+  d.sms = props.sms;
+  d.clusters = props.cc_major >= 9;
   return d;
 }
 

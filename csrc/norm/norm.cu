@@ -10,9 +10,8 @@
 // reduction and is exactly absmax_scale() of the y = fl(fl(z * w) * rstd) that the kernel
 // quantizes.
 #include <algorithm>
-#include <mutex>
-#include <vector>
 
+#include "common/device_cache.h"
 #include "norm/fused_quant.cuh"
 #include "norm/norm.h"
 
@@ -657,47 +656,31 @@ PipeKernel pipe_kernel(int nv, int stages, bool res) {
 
 // Resident CTAs per SM of `fn` at this block size and ring size on the current device (0 when the
 // ring does not fit): raises the kernel's dynamic shared-memory limit and asks for the largest
-// shared-memory carveout on first use, then caches the occupancy per (kernel, device, shape).
+// shared-memory carveout on first use; cached per (device, kernel, shape) (common/device_cache.h).
 cudaError_t pipe_blocks_per_sm(PipeKernel fn, int threads, size_t smem, int* blocks) {
-  struct Entry {
-    PipeKernel fn;
-    int dev, threads;
-    size_t smem;
-    int blocks;
-  };
-  static std::mutex mu;
-  static std::vector<Entry> cache;
-  int dev = 0;
-  cudaError_t e = cudaGetDevice(&dev);
-  if (e != cudaSuccess) return e;
-  std::lock_guard<std::mutex> lock(mu);
-  for (const Entry& c : cache) {
-    if (c.fn == fn && c.dev == dev && c.threads == threads && c.smem == smem) {
-      *blocks = c.blocks;
-      return cudaSuccess;
-    }
-  }
-  int optin = 0;
-  if ((e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev)) !=
-      cudaSuccess)
-    return e;
-  cudaFuncAttributes attr;
-  if ((e = cudaFuncGetAttributes(&attr, fn)) != cudaSuccess) return e;
-  int b = 0;
-  if (attr.sharedSizeBytes + smem <= static_cast<size_t>(optin)) {
-    if (smem > static_cast<size_t>(attr.maxDynamicSharedSizeBytes) &&
-        (e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  static_cast<int>(smem))) != cudaSuccess)
-      return e;
-    if ((e = cudaFuncSetAttribute(fn, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                  cudaSharedmemCarveoutMaxShared)) != cudaSuccess)
-      return e;
-    if ((e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, fn, threads, smem)) != cudaSuccess)
-      return e;
-  }
-  cache.push_back(Entry{fn, dev, threads, smem, b});
-  *blocks = b;
-  return cudaSuccess;
+  const int64_t key = static_cast<int64_t>(smem) * 2048 + threads;  // threads <= 1024
+  return cached_device_int(
+      reinterpret_cast<const void*>(fn), key,
+      [&](int device, int* b) {
+        *b = 0;
+        int optin = 0;
+        cudaError_t e;
+        if ((e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin,
+                                        device)) != cudaSuccess)
+          return e;
+        cudaFuncAttributes attr;
+        if ((e = cudaFuncGetAttributes(&attr, fn)) != cudaSuccess) return e;
+        if (attr.sharedSizeBytes + smem > static_cast<size_t>(optin)) return cudaSuccess;
+        if (smem > static_cast<size_t>(attr.maxDynamicSharedSizeBytes) &&
+            (e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      static_cast<int>(smem))) != cudaSuccess)
+          return e;
+        if ((e = cudaFuncSetAttribute(fn, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                      cudaSharedmemCarveoutMaxShared)) != cudaSuccess)
+          return e;
+        return cudaOccupancyMaxActiveBlocksPerMultiprocessor(b, fn, threads, smem);
+      },
+      blocks);
 }
 
 // Launches the pipelined kernel when the shape fits (*launched = true); otherwise leaves the
