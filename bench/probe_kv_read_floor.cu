@@ -105,40 +105,10 @@ __device__ __forceinline__ void bar_wait(uint64_t* b, unsigned parity) {
   asm volatile("{\n.reg .pred d;\nW_%=:\nmbarrier.try_wait.parity.shared::cta.b64 d, [%0], %1;\n"
                "@!d bra W_%=;\n}\n" ::"r"(smem_u32(b)), "r"(parity) : "memory");
 }
-// bulk: thread 0 issues cp.async.bulk of each chunk into a ring of ST stages; waits in order
-template <int C, int ST>
-__global__ void rd_bulk(const char* buf, long window_chunks, long base, int chunks_per_cta,
-                        unsigned* out) {
-  extern __shared__ __align__(128) unsigned char ring[];
-  __shared__ __align__(8) uint64_t bar[ST];
-  if (threadIdx.x != 0) return;
-  for (int i = 0; i < ST; ++i)
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(&bar[i])) : "memory");
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  const long first = (long)blockIdx.x * chunks_per_cta;
-  unsigned acc = 0;
-  for (int k = 0; k < chunks_per_cta + ST; ++k) {
-    if (k >= ST) {
-      const int j = k - ST;
-      bar_wait(&bar[j % ST], (j / ST) & 1);
-      acc ^= *reinterpret_cast<const unsigned*>(ring + (j % ST) * C);
-    }
-    if (k < chunks_per_cta) {
-      const int st = k % ST;
-      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(&bar[st])),
-                   "r"(C) : "memory");
-      asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                   ::"r"(smem_u32(ring + st * C)), "l"(buf + chunk_off(first + k, window_chunks, base, C)),
-                   "r"(C), "r"(smem_u32(&bar[st])) : "memory");
-    }
-  }
-  if (acc == 0x9e3779b9u) out[0] = acc;
-}
-
-
-// bulk, several issuing warps: lane 0 of each of NW warps issues its own chunks (round-robin)
+// bulk copies: lane 0 of each of NW warps issues its own chunks (round-robin) into its ring of ST
+// stages and waits for them in order (NW = 1: one thread issues everything)
 template <int C, int ST, int NW>
-__global__ void rd_bulk_mw(const char* buf, long window_chunks, long base, int chunks_per_cta,
+__global__ void rd_bulk(const char* buf, long window_chunks, long base, int chunks_per_cta,
                            unsigned* out) {
   extern __shared__ __align__(128) unsigned char ring[];
   __shared__ __align__(8) uint64_t bars[NW * ST];
@@ -198,23 +168,23 @@ int main() {
       {"cp 8w st12 C2K", rd_cp<2048, 12, 8>, 256, 8 * 12 * 2048, 2048},
       {"ld 8w u2 C2K", rd_ld<2048, 2, 8>, 256, 0, 2048},
       {"ld 8w u4 C2K", rd_ld<2048, 4, 8>, 256, 0, 2048},
-      {"bulk st16 C2K", rd_bulk<2048, 16>, 32, 16 * 2048, 2048},
-      {"bulk st48 C2K", rd_bulk<2048, 48>, 32, 48 * 2048, 2048},
-      {"bulk st96 C2K", rd_bulk<2048, 96>, 32, 96 * 2048, 2048},
-      {"bulk 8w st8 C2K", rd_bulk_mw<2048, 8, 8>, 256, 8 * 8 * 2048, 2048},
-      {"bulk 4w st16 C2K", rd_bulk_mw<2048, 16, 4>, 128, 4 * 16 * 2048, 2048},
-      {"bulk 2w st32 C2K", rd_bulk_mw<2048, 32, 2>, 64, 2 * 32 * 2048, 2048},
-      {"bulk st12 C8K", rd_bulk<8192, 12>, 32, 12 * 8192, 8192},
-      {"bulk 4w st4 C8K", rd_bulk_mw<8192, 4, 4>, 128, 4 * 4 * 8192, 8192},
+      {"bulk st16 C2K", rd_bulk<2048, 16, 1>, 32, 16 * 2048, 2048},
+      {"bulk st48 C2K", rd_bulk<2048, 48, 1>, 32, 48 * 2048, 2048},
+      {"bulk st96 C2K", rd_bulk<2048, 96, 1>, 32, 96 * 2048, 2048},
+      {"bulk 8w st8 C2K", rd_bulk<2048, 8, 8>, 256, 8 * 8 * 2048, 2048},
+      {"bulk 4w st16 C2K", rd_bulk<2048, 16, 4>, 128, 4 * 16 * 2048, 2048},
+      {"bulk 2w st32 C2K", rd_bulk<2048, 32, 2>, 64, 2 * 32 * 2048, 2048},
+      {"bulk st12 C8K", rd_bulk<8192, 12, 1>, 32, 12 * 8192, 8192},
+      {"bulk 4w st4 C8K", rd_bulk<8192, 4, 4>, 128, 4 * 4 * 8192, 8192},
       {"cp 8w st3 C8K", rd_cp<8192, 3, 8>, 256, 8 * 3 * 8192, 8192},
       {"cp 8w st6 C1K", rd_cp<1024, 6, 8>, 256, 8 * 6 * 1024, 1024},
       {"cp 8w st12 C1K", rd_cp<1024, 12, 8>, 256, 8 * 12 * 1024, 1024},
       {"ld 8w u4 C1K", rd_ld<1024, 4, 8>, 256, 0, 1024},
       {"ld 8w u8 C1K", rd_ld<1024, 8, 8>, 256, 0, 1024},
-      {"bulk st32 C1K", rd_bulk<1024, 32>, 32, 32 * 1024, 1024},
-      {"bulk st96 C1K", rd_bulk<1024, 96>, 32, 96 * 1024, 1024},
-      {"bulk st192 C1K", rd_bulk<1024, 192>, 32, 192 * 1024, 1024},
-      {"bulk 8w st12 C1K", rd_bulk_mw<1024, 12, 8>, 256, 8 * 12 * 1024, 1024},
+      {"bulk st32 C1K", rd_bulk<1024, 32, 1>, 32, 32 * 1024, 1024},
+      {"bulk st96 C1K", rd_bulk<1024, 96, 1>, 32, 96 * 1024, 1024},
+      {"bulk st192 C1K", rd_bulk<1024, 192, 1>, 32, 192 * 1024, 1024},
+      {"bulk 8w st12 C1K", rd_bulk<1024, 12, 8>, 256, 8 * 12 * 1024, 1024},
   };
   for (auto& c : cfgs)
     if (c.smem > 48 * 1024) CK(cudaFuncSetAttribute(c.k, cudaFuncAttributeMaxDynamicSharedMemorySize, c.smem));
