@@ -7,7 +7,7 @@
 // limit), so each is asked once per (device, question) and remembered:
 //
 //   qops::DeviceProps props;
-//   cudaError_t err = qops::current_device_props(&props);  // sms, cc_major, cc_minor, device
+//   cudaError_t err = qops::current_device_props(&props);  // sms, cc_major, cc_minor
 //
 //   int resident = 0;
 //   err = qops::cached_device_int(kernel_ptr, key, [&](int device, int* v) {
@@ -37,7 +37,6 @@
 namespace qops {
 
 struct DeviceProps {
-  int device = 0;
   int sms = 0;
   int cc_major = 0;
   int cc_minor = 0;
@@ -102,12 +101,11 @@ cudaError_t cached_device_int(const void* tag, int64_t key, Query&& query, int* 
   return device_cache_detail::lookup<int>(tag, key, std::forward<Query>(query), out);
 }
 
-// The current device's ordinal, SM count and compute capability, read once per device.
+// The current device's SM count and compute capability, read once per device.
 inline cudaError_t current_device_props(DeviceProps* out) {
   return device_cache_detail::lookup<DeviceProps>(
       &device_cache_detail::props_tag, 0,
       [](int device, DeviceProps* p) {
-        p->device = device;
         cudaError_t err;
         if ((err = cudaDeviceGetAttribute(&p->sms, cudaDevAttrMultiProcessorCount, device)) !=
                 cudaSuccess ||
