@@ -103,7 +103,7 @@ at::Tensor paged_decode_attention_int8_cuda(const at::Tensor& query, const at::T
                                             const at::Tensor& block_tables,
                                             const at::Tensor& seq_lens, double sm_scale,
                                             const std::optional<at::Tensor>& alibi_slopes,
-                                            int64_t num_splits) {
+                                            int64_t num_splits, bool overlap_prologue) {
   constexpr const char* op = "paged_decode_attention_int8";
   check_half(query, op, "query");
   QOPS_CHECK_VALUE(query.dim() == 3, op, "query must be [B, HQ, D], got shape ", query.sizes());
@@ -198,6 +198,8 @@ at::Tensor paged_decode_attention_int8_cuda(const at::Tensor& query, const at::T
   // QOPS_DECODE_WARPS=4|8 forces the warps per CTA (an override for tests and sweeps).
   if (const char* w = std::getenv("QOPS_DECODE_WARPS")) p.warps = std::atoi(w);
   p.no_pdl = !pdl_enabled();  // QOPS_PDL=0
+  // The caller's promise covers its own query tensor, not the aligned copy made just above.
+  p.overlap_prologue = overlap_prologue && q_aligned;
 
   // How the splits are merged: in a thread-block cluster (no workspace), else fused into the
   // split kernel through a workspace and counters, else by a second kernel. Whether the clusters

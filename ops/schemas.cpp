@@ -35,7 +35,8 @@ TORCH_LIBRARY(qops, m) {
         " Tensor slot_mapping) -> ()");
   m.def("paged_decode_attention_int8(Tensor query, Tensor k_cache, Tensor v_cache,"
         " Tensor k_scales, Tensor v_scales, Tensor block_tables, Tensor seq_lens,"
-        " float sm_scale, Tensor? alibi_slopes=None, int num_splits=0) -> Tensor");
+        " float sm_scale, Tensor? alibi_slopes=None, int num_splits=0,"
+        " bool overlap_prologue=False) -> Tensor");
 
   // ---- int4 KV cache (seed 002 row layout) and the split-K GQA decode ---------------------
   m.def("quantize_kv_int4(Tensor kv, int num_groups) -> Tensor");

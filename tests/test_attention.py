@@ -170,6 +170,12 @@ def test_opcheck():
                           (q, k_cache, v_cache, ks, vs, bt, sl, 0.125, None, 0))
     torch.library.opcheck(torch.ops.qops.paged_decode_attention_int8.default,
                           (q, k_cache, v_cache, ks, vs, bt, sl, 0.125, alibi_slopes(4), 3))
+    torch.library.opcheck(torch.ops.qops.paged_decode_attention_int8.default,
+                          (q, k_cache, v_cache, ks, vs, bt, sl, 0.125, None, 2, True))
+    # overlap_prologue is a scheduling promise: the same result
+    args = (q, k_cache, v_cache, ks, vs, bt, sl, 0.125)
+    assert torch.equal(qops.paged_decode_attention_int8(*args, overlap_prologue=True),
+                       qops.paged_decode_attention_int8(*args))
 
 
 def _bad_args(**over):
@@ -436,13 +442,14 @@ def _merge_env(m, path):
     m.setenv(FUSED_ENV, "1" if path == "fused" else "0")
 
 
-def _decode(args, sm, slopes, num_splits, path, monkeypatch):
+def _decode(args, sm, slopes, num_splits, path, monkeypatch, overlap=False):
     """One call on `path` (True / False: "fused" / "unfused") with garbage-filled fresh memory."""
     path = {True: "fused", False: "unfused"}.get(path, path)
     with monkeypatch.context() as m:
         _merge_env(m, path)
         poison_cuda_allocator()  # outputs and workspaces start as garbage
-        out = qops.paged_decode_attention_int8(*args, sm, slopes, num_splits=num_splits)
+        out = qops.paged_decode_attention_int8(*args, sm, slopes, num_splits=num_splits,
+                                               overlap_prologue=overlap)
         torch.cuda.synchronize()
     return out
 
@@ -457,6 +464,11 @@ def _fused_vs_unfused(monkeypatch, lens, HQ, HKV, D, block_size=16, *, dtype=tor
     unfused = _decode(dev, sm, dslopes, num_splits, False, monkeypatch)
     fused_again = _decode(dev, sm, dslopes, num_splits, True, monkeypatch)
     cluster_again = _decode(dev, sm, dslopes, num_splits, "cluster", monkeypatch)
+    # the prologue read before the PDL wait (each path): the same bits
+    overlapped = [_decode(dev, sm, dslopes, num_splits, path, monkeypatch, overlap=True)
+                  for path in PATHS]
+    for o in overlapped:
+        assert torch.equal(o, unfused)
     assert torch.equal(fused, unfused), float((fused.double() - unfused.double()).abs().max())
     assert torch.equal(cluster, unfused), float((cluster.double() - unfused.double()).abs().max())
     assert torch.equal(fused_again, fused)

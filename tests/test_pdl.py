@@ -119,10 +119,13 @@ def test_norm_chain_in_place_residual(monkeypatch, variant):
 
 
 @gpu
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("num_splits", [4, 1])
-def test_decode_attention_chain(monkeypatch, num_splits):
+def test_decode_attention_chain(monkeypatch, num_splits, overlap):
     """Cache write of the new token -> split decode attention (reads that token) -> per-token quant
-    of its output -> GEMV, PDL on and off, eagerly and replayed from a CUDA graph."""
+    of its output -> GEMV, PDL on and off, eagerly and replayed from a CUDA graph. With
+    ``overlap_prologue`` (the attention reads its query and tables before the cache write has
+    completed, as the Llama calls it) the K/V reads must still see the new token."""
     _needs_gemm()
     B, HQ, HKV, D, bs, L = 3, 8, 2, 128, 16, 600
     blocks_per_seq = (L + bs - 1) // bs
@@ -148,7 +151,8 @@ def test_decode_attention_chain(monkeypatch, num_splits):
     def chain():
         qops.reshape_and_cache_int8(new_k, new_v, k_cache, v_cache, k_scales, v_scales, new_slots)
         out = qops.paged_decode_attention_int8(q, k_cache, v_cache, k_scales, v_scales,
-                                               block_tables, seq_lens, num_splits=num_splits)
+                                               block_tables, seq_lens, num_splits=num_splits,
+                                               overlap_prologue=overlap)
         qa, sa = qops.quant_per_token(out.view(B, HQ * D))
         return [out, qa, sa, qops.w8a8_gemm(qa, w, sa, ws, torch.bfloat16)]
 

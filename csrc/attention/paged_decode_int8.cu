@@ -290,9 +290,13 @@ __global__ void __launch_bounds__(NW * 32, kMinBlocksPerSm<D, kTwoRows, NW>)
   extern __shared__ __align__(16) unsigned char smem[];
 
   // Programmatic dependent launch (when the launch allows it, see split_config): wait for the
-  // previous kernel in the stream (which may have written the query, the cache, the block tables)
-  // to complete before reading anything. The next kernel is released after the main loop.
-  pdl_wait();
+  // previous kernel in the stream to complete before reading what it may have written. By
+  // default that is everything (the query, the cache, the block tables, ...). With
+  // p.overlap_prologue the caller promises that it wrote only the KV cache and its per-token
+  // scales (as the cache write does), so the prologue's reads -- seq_len, the first block ids, the query, the ALiBi slopes,
+  // the static scales -- happen while it finishes, and only the K/V copies wait (below). The next
+  // kernel is released after the main loop.
+  if (!p.overlap_prologue) pdl_wait();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int gid = lane >> 2, t4 = lane & 3;
   const int split = blockIdx.x, b = blockIdx.z;
@@ -461,6 +465,9 @@ __global__ void __launch_bounds__(NW * 32, kMinBlocksPerSm<D, kTwoRows, NW>)
     }
     x.ok = (ok_mask >> st) & 1u;
   };
+
+  // The previous kernel may have written the K/V cache and its per-token scales.
+  if (p.overlap_prologue) pdl_wait();
 
   // ---- the pipeline's prologue: this warp's chunks c_begin + warp + i * kWarps, S - NC in flight
   const int first = c_begin + warp;

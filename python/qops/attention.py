@@ -105,7 +105,8 @@ def decode_attention_reference(
 
 @reference(_OP)
 def _paged_decode_attention_int8_ref(query, k_cache, v_cache, k_scales, v_scales, block_tables,
-                                     seq_lens, sm_scale, alibi_slopes=None, num_splits=0):
+                                     seq_lens, sm_scale, alibi_slopes=None, num_splits=0,
+                                     overlap_prologue=False):
     _check_args(query, k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens, alibi_slopes,
                 num_splits)
     bs, num_blocks = k_cache.shape[2], k_cache.shape[0]
@@ -125,7 +126,8 @@ def _paged_decode_attention_int8_ref(query, k_cache, v_cache, k_scales, v_scales
 
 @fake(_OP)
 def _paged_decode_attention_int8_fake(query, k_cache, v_cache, k_scales, v_scales, block_tables,
-                                      seq_lens, sm_scale, alibi_slopes=None, num_splits=0):
+                                      seq_lens, sm_scale, alibi_slopes=None, num_splits=0,
+                                      overlap_prologue=False):
     _check_args(query, k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens, alibi_slopes,
                 num_splits)
     return torch.empty_like(query, memory_format=torch.contiguous_format)
@@ -154,6 +156,7 @@ def paged_decode_attention_int8(
     alibi_slopes: torch.Tensor | None = None,
     *,
     num_splits: int = 0,
+    overlap_prologue: bool = False,
 ) -> torch.Tensor:
     """Single-token decode attention over the paged int8 KV cache (MHA, GQA, MQA).
 
@@ -179,6 +182,13 @@ def paged_decode_attention_int8(
         num_splits: keyword-only performance knob: how many CTAs share one sequence's context
             (flash-decoding split-K); 0 lets the kernel choose. The result does not depend on it
             beyond float32 rounding.
+        overlap_prologue: keyword-only; True promises that the kernel launched just before this
+            call on the same stream writes only the KV cache and its per-token scales (as
+            ``reshape_and_cache_int8`` does), none of ``query``, ``block_tables``, ``seq_lens``,
+            ``alibi_slopes`` or static scales. With programmatic dependent launch (sm_90, split
+            contexts) the kernel then reads those while that kernel finishes, and only its K/V
+            reads wait for it: one memory round trip less per call at small batch. A false
+            promise is a race. No effect on CPU or where PDL is off (``QOPS_PDL=0``).
     Returns:
         ``[B, HQ, D]`` in the query's dtype.
     """
@@ -186,4 +196,4 @@ def paged_decode_attention_int8(
         sm_scale = query.shape[-1] ** -0.5
     return torch.ops.qops.paged_decode_attention_int8(
         query, k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens, float(sm_scale),
-        alibi_slopes, int(num_splits))
+        alibi_slopes, int(num_splits), bool(overlap_prologue))
