@@ -18,7 +18,8 @@ workspace and counters (QOPS_DECODE_FUSED_REDUCE=1, one launch), and the split k
 kernel (=0); the ratios cluster / unfused and fused / unfused are printed (< 1: faster than two
 kernels). `int8_us` is always the path the environment selects.
 
-    python bench/bench_decode_attention.py [--out DIR] [--quick] [--no-merge-compare]
+    python bench/bench_decode_attention.py [--out DIR] [--quick] [--no-merge-compare] [--no-sweep]
+        [--models smollm2-135m,...] [--batches 1,8] [--contexts 4096]
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import argparse
 import math
 import os
 import sys
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -100,6 +102,9 @@ def sdpa_backends():
 def bench_sdpa(B, HQ, HKV, D, T, n_sets):
     """Fastest SDPA backend on bf16 K/V [B, HKV, T, D]; returns (us, backend name)."""
     from torch.nn.attention import sdpa_kernel
+    # a backend that cannot run the problem raises (reported below) after warning why, per call
+    warnings.filterwarnings("ignore", message=r".*(kernel not used because|has been runtime "
+                            r"disabled|require query, key and value to have the same num_heads)")
     sets = []
     for i in range(n_sets):
         q = torch.randn(B, HQ, 1, D, device="cuda", dtype=DTYPE)
@@ -192,6 +197,10 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/out")
     ap.add_argument("--quick", action="store_true", help="a few configs only")
+    ap.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of MODELS")
+    ap.add_argument("--batches", default="1,8,32,128")
+    ap.add_argument("--contexts", default="1024,4096,16384")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the num_splits sweeps")
     ap.add_argument("--no-merge-compare", action="store_true",
                     help=f"do not also time the other split-merge path at B in {MERGE_COMPARE_BATCHES}")
     args = ap.parse_args()
@@ -203,15 +212,20 @@ def main():
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"copy bandwidth {copy_bw:.0f} GB/s (read + write); split merge: "
           f"{merge_policy()}")
-    Bs = (1, 8, 32, 128)
-    Ts = (1024, 4096, 16384)
+    Bs = tuple(int(x) for x in args.batches.split(","))
+    Ts = tuple(int(x) for x in args.contexts.split(","))
+    models = args.models.split(",")
+    for m in models:
+        if m not in MODELS:
+            ap.error(f"unknown model {m!r}; choose from {', '.join(MODELS)}")
     if args.quick:
         Bs, Ts = (1, 32), (4096,)
     rows, sweeps = [], []
-    for model in MODELS:
+    for model in models:
         for B in Bs:
             for T in Ts:
-                sweep = (B in (1, 8) and T in (4096, 16384)) or (model == "smollm2-135m" and B == 32)
+                sweep = not args.no_sweep and ((B in (1, 8) and T in (4096, 16384))
+                                               or (model == "smollm2-135m" and B == 32))
                 compare = B in MERGE_COMPARE_BATCHES and not args.no_merge_compare
                 row, sw = run_config(model, B, T, copy_bw, splits_sweep=sweep, merge_compare=compare)
                 if row is None:
