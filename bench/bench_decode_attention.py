@@ -132,7 +132,8 @@ def bench_sdpa(B, HQ, HKV, D, T, n_sets):
     return best
 
 
-def run_config(model, B, T, copy_bw, splits_sweep=False, merge_compare=False):
+def run_config(model, B, T, copy_bw, splits_sweep=(), merge_compare=False):
+    """One (model, B, T) row; ``splits_sweep``: split counts to time as well (forced)."""
     HQ, HKV, D = MODELS[model]
     lens = [T] * B
     set_bytes_i8 = 2 * B * HKV * T * D
@@ -166,11 +167,12 @@ def run_config(model, B, T, copy_bw, splits_sweep=False, merge_compare=False):
             unfused_us = bench_us(make, n_i8)
     sweep = []
     if splits_sweep:
-        for ns in (1, 2, 4, 8, 16, 32, 64, 128):
+        for ns in splits_sweep:
             if ns * 16 > T:
                 break
             sweep.append({"model": model, "B": B, "T": T, "num_splits": ns,
-                          "us": bench_us(lambda i, ns=ns: make(i, ns), n_i8)})
+                          "us": bench_us(lambda i, ns=ns: make(i, ns), n_i8),
+                          "overlap_us": bench_us(lambda i, ns=ns: make(i, ns, True), n_i8)})
     del sets
     torch.cuda.empty_cache()
     s_us, s_name = bench_sdpa(B, HQ, HKV, D, T, n_16)
@@ -201,6 +203,8 @@ def main():
     ap.add_argument("--batches", default="1,8,32,128")
     ap.add_argument("--contexts", default="1024,4096,16384")
     ap.add_argument("--no-sweep", action="store_true", help="skip the num_splits sweeps")
+    ap.add_argument("--splits", default="1,2,4,8,16,32,64,128",
+                    help="the split counts of the sweeps (ascending)")
     ap.add_argument("--no-merge-compare", action="store_true",
                     help=f"do not also time the other split-merge path at B in {MERGE_COMPARE_BATCHES}")
     args = ap.parse_args()
@@ -215,6 +219,7 @@ def main():
     Bs = tuple(int(x) for x in args.batches.split(","))
     Ts = tuple(int(x) for x in args.contexts.split(","))
     models = args.models.split(",")
+    splits = sorted(int(x) for x in args.splits.split(","))
     for m in models:
         if m not in MODELS:
             ap.error(f"unknown model {m!r}; choose from {', '.join(MODELS)}")
@@ -227,7 +232,8 @@ def main():
                 sweep = not args.no_sweep and ((B in (1, 8) and T in (4096, 16384))
                                                or (model == "smollm2-135m" and B == 32))
                 compare = B in MERGE_COMPARE_BATCHES and not args.no_merge_compare
-                row, sw = run_config(model, B, T, copy_bw, splits_sweep=sweep, merge_compare=compare)
+                row, sw = run_config(model, B, T, copy_bw, merge_compare=compare,
+                                     splits_sweep=splits if sweep else ())
                 if row is None:
                     continue
                 rows.append(row)
