@@ -22,7 +22,7 @@ TORCH_LIBRARY(qops, m) {
 
   // ---- int8 x int8 GEMM with dequantizing epilogue ----------------------------------------
   m.def("w8a8_gemm(Tensor a, Tensor b, Tensor a_scale, Tensor b_scale, ScalarType out_dtype,"
-        " Tensor? bias=None, *, str config=\"auto\") -> Tensor");
+        " Tensor? bias=None, *, str config=\"auto\", bool overlap_prologue=False) -> Tensor");
 
   // ---- int4-weight x fp16/bf16-activation GEMM (Hopper mixed-input) -----------------------
   m.def("w4a16_prepack(Tensor weight) -> Tensor");

@@ -39,32 +39,34 @@ def _layer_inputs(m, h, inter, seed):
     return x, r, n1, n2, _weights(2 * inter, h, g), _weights(h, inter, g)
 
 
-def _mlp_chain(x, r, n1, n2, gate_up, down):
+def _mlp_chain(x, r, n1, n2, gate_up, down, overlap=False):
     """add + norm + quant -> GEMV -> SiLU-and-mul + quant -> GEMV -> add + norm + quant (r in
     place twice) -> norm + quant, and per-token quant -> GEMV (as after attention): every kernel
-    reads what the one before it wrote."""
+    reads what the one before it wrote. ``overlap``: the GEMMs read their first weights before
+    their PDL wait (no kernel here writes the weights)."""
     q1, s1 = qops.fused_add_rms_norm_quant(x, r, n1, 1e-5)
-    gu = qops.w8a8_gemm(q1, gate_up[0], s1, gate_up[1], torch.bfloat16)
+    gu = qops.w8a8_gemm(q1, gate_up[0], s1, gate_up[1], torch.bfloat16, overlap_prologue=overlap)
     q2, s2 = qops.silu_and_mul_quant(gu)
-    d = qops.w8a8_gemm(q2, down[0], s2, down[1], torch.bfloat16)
+    d = qops.w8a8_gemm(q2, down[0], s2, down[1], torch.bfloat16, overlap_prologue=overlap)
     q3, s3 = qops.fused_add_rms_norm_quant(d, r, n2, 1e-5)
     q4, s4 = qops.rms_norm_quant(d, n1, 1e-5)
     q5, s5 = qops.quant_per_token(d)
     h = d.shape[1]
-    e = qops.w8a8_gemm(q5, gate_up[0][:h], s5, gate_up[1][:h], torch.bfloat16)
+    e = qops.w8a8_gemm(q5, gate_up[0][:h], s5, gate_up[1][:h], torch.bfloat16, overlap_prologue=overlap)
     return [gu, q2, s2, d, q3, s3, q4, s4, q5, s5, e]
 
 
 @gpu
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("m", [1, 7, 16])
-def test_decode_mlp_chain_pdl_on_off_and_graph(monkeypatch, m):
+def test_decode_mlp_chain_pdl_on_off_and_graph(monkeypatch, m, overlap):
     _needs_gemm()
     h, inter = 1024, 1408
     x, r0, n1, n2, gate_up, down = _layer_inputs(m, h, inter, seed=m)
 
     def run():
         r = r0.clone()
-        outs = _mlp_chain(x, r, n1, n2, gate_up, down)
+        outs = _mlp_chain(x, r, n1, n2, gate_up, down, overlap)
         torch.cuda.synchronize()
         return outs + [r]
 
@@ -76,11 +78,11 @@ def test_decode_mlp_chain_pdl_on_off_and_graph(monkeypatch, m):
             assert torch.equal(got, ref)
     # in a CUDA graph (PDL edges between the kernels), replayed with a fresh residual
     r = r0.clone()
-    _mlp_chain(x, r, n1, n2, gate_up, down)  # warm-up before capture
+    _mlp_chain(x, r, n1, n2, gate_up, down, overlap)  # warm-up before capture
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        outs = _mlp_chain(x, r, n1, n2, gate_up, down)
+        outs = _mlp_chain(x, r, n1, n2, gate_up, down, overlap)
     for _ in range(2):
         r.copy_(r0)
         for o in outs:

@@ -122,6 +122,8 @@ def test_reference_errors_name_the_argument(i):
 def test_opcheck_cpu():
     a, b, sa, sb, bias = make_inputs(5, 48, 32, bias=True)
     torch.library.opcheck(torch.ops.qops.w8a8_gemm.default, (a, b, sa, sb, torch.float16, bias))
+    torch.library.opcheck(torch.ops.qops.w8a8_gemm.default, (a, b, sa, sb, torch.float16, bias),
+                          {"overlap_prologue": True})
 
 
 # ---- the kernel table and the generator (no GPU needed) -----------------------------------------
@@ -297,6 +299,9 @@ def test_gemv_every_launch_shape(problem, launch, dtype, monkeypatch):
     d = run_and_check(a, b, sa, sb, dtype, bz, config="gemv")
     # exact int32 sums and the reference's float32 steps, each rounded: the reference's bits
     assert torch.equal(d, qops.gemm._w8a8_gemm_ref(a, b, sa, sb, dtype, bz))
+    # the build that loads its first weights before the PDL wait: the same bits
+    poison_cuda_allocator()
+    assert torch.equal(qops.w8a8_gemm(a, b, sa, sb, dtype, bz, config="gemv", overlap_prologue=True), d)
 
 
 @pytest.mark.gpu
@@ -334,10 +339,13 @@ def test_gemv_bias_at_odd_element(launch, dtype, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("overlap", [False, True], ids=["", "overlap"])
 @pytest.mark.parametrize("pdl", ["1", "0"], ids=["pdl", "no_pdl"])
-def test_gemv_reads_what_the_previous_kernel_wrote(pdl, monkeypatch):
+def test_gemv_reads_what_the_previous_kernel_wrote(pdl, overlap, monkeypatch):
     """Programmatic dependent launch lets the GEMV launch before the previous kernel ends: it must
-    still read the activations and scales that kernel writes (eager and in a CUDA graph)."""
+    still read the activations and scales that kernel writes (eager and in a CUDA graph), also
+    when it reads its first weights before the wait (overlap_prologue: the producers do not
+    write the weights)."""
     _needs_kernel()
     monkeypatch.setenv("QOPS_PDL", pdl)
     m, n, k = 4, 4096, 4096
@@ -351,7 +359,8 @@ def test_gemv_reads_what_the_previous_kernel_wrote(pdl, monkeypatch):
         for a, sa in srcs:
             a_buf.copy_(a)  # the producers, right before the GEMV
             sa_buf.copy_(sa)
-            outs.append(qops.w8a8_gemm(a_buf, b, sa_buf, sb, torch.bfloat16, config="gemv"))
+            outs.append(qops.w8a8_gemm(a_buf, b, sa_buf, sb, torch.bfloat16, config="gemv",
+                                       overlap_prologue=overlap))
         return outs
 
     want = [qops.gemm._w8a8_gemm_ref(a, b, sa, sb, torch.bfloat16) for a, sa in srcs]
@@ -518,3 +527,5 @@ def test_opcheck_cuda():
     torch.library.opcheck(torch.ops.qops.w8a8_gemm.default, (a, b, sa, sb, torch.float16, bias))
     torch.library.opcheck(torch.ops.qops.w8a8_gemm.default, (a, b, sa[:1], sb[:1], torch.float16),
                           {"config": table.CONFIGS[-1].name})
+    torch.library.opcheck(torch.ops.qops.w8a8_gemm.default, (a[:5], b, sa[:5], sb, torch.float16),
+                          {"overlap_prologue": True})

@@ -48,6 +48,7 @@ struct Params {
   int64_t ldd;
   int m, n, k;
   bool per_tensor;
+  bool overlap_prologue;  // the first weight batch is loaded before the PDL wait (kEarly)
 };
 
 // 16 bytes of global memory, or zeros when !pred (then `ptr` is not read; `safe` is any readable
@@ -174,7 +175,7 @@ __device__ __forceinline__ int fresh_tid_x() {
 
 // J row groups of 8 per CTA, U chunks per load batch, kWarps warps (K slices) per CTA, kM16:
 // M > 8 (activation rows 8..15 read). One CTA per 8 * J rows of N.
-template <int J, int U, int kWarps, bool kM16, typename OutT>
+template <int J, int U, int kWarps, bool kM16, typename OutT, bool kEarly>
 __global__ void __launch_bounds__(kWarps * 32) w8a8_gemv_kernel(const Params p) {
   constexpr int kThreads = kWarps * 32;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -201,9 +202,43 @@ __global__ void __launch_bounds__(kWarps * 32) w8a8_gemv_kernel(const Params p) 
 #pragma unroll
   for (int j = 0; j < J; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0;
 
+  // The activations' rows of chunk c + u (zeros past K), and the MMAs of one load batch.
+  auto load_x = [&](int c, int u, uint4& x, uint4& y) {
+    const int kb = (c + u) * kChunk;
+    const bool ok = c + u < c1 && kb + 16 * q < p.k;
+    x = load_cached(arow0 + kb, p.a, ok && a0_ok);
+    y = kM16 ? load_cached(arow1 + kb, p.a, ok && a1_ok) : make_uint4(0, 0, 0, 0);
+  };
+  auto load_w = [&](int c, int u, int j) {
+    const int kb = (c + u) * kChunk;
+    const bool ok = c + u < c1 && kb + 16 * q < p.k;
+    return load_stream(brow[j] + kb, p.b, ok && brow_ok[j]);
+  };
+  auto mma_batch = [&](const uint4 (&x)[U], const uint4 (&y)[U], const uint4 (&w)[U][J]) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+#pragma unroll
+      for (int j = 0; j < J; ++j) {
+        mma_s8(acc[j], x[u].x, y[u].x, x[u].y, y[u].y, w[u][j].x, w[u][j].y);
+        mma_s8(acc[j], x[u].z, y[u].z, x[u].w, y[u].w, w[u][j].z, w[u][j].w);
+      }
+    }
+  };
+
+  // kEarly (the caller's overlap_prologue, with PDL): the previous kernel in the stream does not
+  // write the weights, so the first batch is requested before the wait below, and its round trip
+  // runs while that kernel finishes.
+  uint4 w_first[kEarly ? U : 1][J];
+  if constexpr (kEarly) {
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int j = 0; j < J; ++j) w_first[u][j] = load_w(c0, u, j);
+  }
+
   // Programmatic dependent launch (when the launch allows it, see launch_variant): the next
   // kernel in the stream may start launching its CTAs now, and this one waits here for the
-  // previous kernel (which may write `a` and the scales) before it reads anything.
+  // previous kernel (which may write `a` and the scales) before it reads anything (else).
   pdl_launch_dependents();
   pdl_wait();
 
@@ -225,25 +260,25 @@ __global__ void __launch_bounds__(kWarps * 32) w8a8_gemv_kernel(const Params p) 
     if (pair.ok) ops = load_epi_operands<OutT>(pair, p);
   }
 
-  for (int c = c0; c < c1; c += U) {
+  int c = c0;
+  if constexpr (kEarly) {
+    if (c < c1) {
+      uint4 x[U], y[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) load_x(c, u, x[u], y[u]);
+      mma_batch(x, y, w_first);
+      c += U;
+    }
+  }
+  for (; c < c1; c += U) {
     uint4 w[U][J], x[U], y[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int kb = (c + u) * kChunk;
-      const bool ok = c + u < c1 && kb + 16 * q < p.k;
-      x[u] = load_cached(arow0 + kb, p.a, ok && a0_ok);
-      y[u] = kM16 ? load_cached(arow1 + kb, p.a, ok && a1_ok) : make_uint4(0, 0, 0, 0);
+      load_x(c, u, x[u], y[u]);
 #pragma unroll
-      for (int j = 0; j < J; ++j) w[u][j] = load_stream(brow[j] + kb, p.b, ok && brow_ok[j]);
+      for (int j = 0; j < J; ++j) w[u][j] = load_w(c, u, j);
     }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-#pragma unroll
-      for (int j = 0; j < J; ++j) {
-        mma_s8(acc[j], x[u].x, y[u].x, x[u].y, y[u].y, w[u][j].x, w[u][j].y);
-        mma_s8(acc[j], x[u].z, y[u].z, x[u].w, y[u].w, w[u][j].z, w[u][j].w);
-      }
-    }
+    mma_batch(x, y, w);
   }
 
   // ---- reduce the warps' partial sums: red[warp][j][e][lane] (e: the 4 accumulator registers).
@@ -280,14 +315,20 @@ __global__ void __launch_bounds__(kWarps * 32) w8a8_gemv_kernel(const Params p) 
 // before reading anything. Inside a CUDA graph this becomes a programmatic edge.
 // With `resident` set, reports the build's resident CTAs per SM (the occupancy API: registers,
 // shared memory, threads) instead of launching.
+// The kEarly build (first weights before the wait) runs where the caller promised it
+// (p.overlap_prologue) and the launch uses PDL; the residency asked is the plain build's.
 template <int J, int U, int kWarps, bool kM16, typename OutT>
 cudaError_t launch_variant(const Params& p, bool pdl, cudaStream_t stream, int* resident) {
-  const auto kernel = w8a8_gemv_kernel<J, U, kWarps, kM16, OutT>;
+  const auto kernel = w8a8_gemv_kernel<J, U, kWarps, kM16, OutT, false>;
   if (resident != nullptr) {
     return cudaOccupancyMaxActiveBlocksPerMultiprocessor(resident, kernel, kWarps * 32, 0);
   }
-  return launch_kernel(kernel, dim3((p.n + 8 * J - 1) / (8 * J)), dim3(kWarps * 32), stream, pdl,
-                       p);
+  const dim3 grid((p.n + 8 * J - 1) / (8 * J)), block(kWarps * 32);
+  if (pdl && p.overlap_prologue) {
+    return launch_kernel(w8a8_gemv_kernel<J, U, kWarps, kM16, OutT, true>, grid, block, stream,
+                         pdl, p);
+  }
+  return launch_kernel(kernel, grid, block, stream, pdl, p);
 }
 
 // The variants, kGemvShapes (docs/w8a8_gemm.md has the sweeps they were picked from; gemv_shape
@@ -392,7 +433,7 @@ cudaError_t gemv(const Problem& pr, int sm_count, cudaStream_t stream, size_t* w
   }
   const Params p{pr.a,       pr.lda,   pr.b,   pr.ldb, pr.a_scale, pr.b_scale,
                  pr.bias,    pr.d,     pr.ldd, pr.m,   pr.n,       pr.k,
-                 pr.scale_mode == ScaleMode::kPerTensor};
+                 pr.scale_mode == ScaleMode::kPerTensor, pr.gemv_overlap_prologue};
   return launch_build(p, s, m16, fp16, !pr.gemv_no_pdl, stream);
 }
 

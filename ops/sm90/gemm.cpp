@@ -98,7 +98,8 @@ void gemv_override(w8a8::Problem* p) {
 
 at::Tensor w8a8_gemm_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_scale,
                           const at::Tensor& b_scale, at::ScalarType out_dtype,
-                          const std::optional<at::Tensor>& bias, c10::string_view config) {
+                          const std::optional<at::Tensor>& bias, c10::string_view config,
+                          bool overlap_prologue) {
   check_cuda(a, kOp, "a");
   check_same_device(b, a, kOp, "b");
   check_operand(a, "a", "[M, K]");
@@ -158,6 +159,7 @@ at::Tensor w8a8_gemm_cuda(const at::Tensor& a, const at::Tensor& b, const at::Te
   p.out_dtype = out_dtype == at::kHalf ? w8a8::OutDtype::kFloat16 : w8a8::OutDtype::kBFloat16;
   p.scale_mode = per_tensor ? w8a8::ScaleMode::kPerTensor : w8a8::ScaleMode::kPerTokenPerChannel;
   if (M <= w8a8::kGemvMaxM) gemv_override(&p);  // only the GEMV reads it: no getenv for larger M
+  p.gemv_overlap_prologue = overlap_prologue;
   // Stream-K configs need scratch for partial accumulators; it comes from the caching allocator
   // (inside CUDA-graph capture: the graph's pool), as vLLM does, and the kernel re-initializes it.
   size_t workspace_bytes = 0;

@@ -37,7 +37,8 @@ def _check_args(a, b, a_scale, b_scale, out_dtype, bias) -> None:
 
 
 @reference(_OP)
-def _w8a8_gemm_ref(a, b, a_scale, b_scale, out_dtype, bias=None, *, config="auto"):
+def _w8a8_gemm_ref(a, b, a_scale, b_scale, out_dtype, bias=None, *, config="auto",
+                   overlap_prologue=False):
     _check_args(a, b, a_scale, b_scale, out_dtype, bias)
     # acc = a.int32 @ b.int32.T, computed in float64: every partial sum is an integer below
     # 2^31 < 2^53, so this is exact; .float() then rounds to nearest as int32 -> float32 does.
@@ -49,7 +50,8 @@ def _w8a8_gemm_ref(a, b, a_scale, b_scale, out_dtype, bias=None, *, config="auto
 
 
 @fake(_OP)
-def _w8a8_gemm_fake(a, b, a_scale, b_scale, out_dtype, bias=None, *, config="auto"):
+def _w8a8_gemm_fake(a, b, a_scale, b_scale, out_dtype, bias=None, *, config="auto",
+                    overlap_prologue=False):
     _check_args(a, b, a_scale, b_scale, out_dtype, bias)
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
 
@@ -63,6 +65,7 @@ def w8a8_gemm(
     bias: torch.Tensor | None = None,
     *,
     config: str = "auto",
+    overlap_prologue: bool = False,
 ) -> torch.Tensor:
     """int8 GEMM with a dequantizing epilogue (W8A8 linear layer).
 
@@ -81,6 +84,12 @@ def w8a8_gemm(
             problem size) or the name of a config in ``cutlass_kernels/w8a8_configs.py``: a
             CUTLASS tile config, e.g. ``"128x128x128_c2x1x1_pingpong"``, or ``"gemv"``, the
             hand-written decode kernel (M <= 16). The CPU reference ignores it.
+        overlap_prologue: keyword-only; True promises that the kernel launched just before this
+            call on the same stream does not write ``b`` (weights are constant across a decode
+            step). The decode GEMV (M <= 16) then requests its first weights before it waits
+            for that kernel (programmatic dependent launch, sm_90), so that their round trip runs
+            while it finishes. A false promise is a race. No effect on the result, on the CUTLASS
+            configs, on CPU or where PDL is off (``QOPS_PDL=0``).
 
     K and N must be multiples of 16 and K at most 131071 (the int32 accumulator cannot
     overflow). Returns ``[M, N]`` in ``out_dtype``. On CUDA this runs CUTLASS kernels for Hopper
@@ -88,4 +97,5 @@ def w8a8_gemm(
     per-tensor x per-tensor scales and the per-token x per-channel case are separate
     kernels, and a mixed pair (one ``[1]``, one vector) broadcasts the ``[1]`` scale first.
     """
-    return torch.ops.qops.w8a8_gemm(a, b, a_scale, b_scale, out_dtype, bias, config=config)
+    return torch.ops.qops.w8a8_gemm(a, b, a_scale, b_scale, out_dtype, bias, config=config,
+                                    overlap_prologue=bool(overlap_prologue))

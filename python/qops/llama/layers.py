@@ -98,7 +98,9 @@ class W8A8Linear(nn.Module):
     def forward(self, x: Act) -> torch.Tensor:
         if not isinstance(x, QAct):
             x = self.quantize_input(x)
-        return qops.w8a8_gemm(x.q, self.weight, x.s, self.weight_scale, self.out_dtype, self.bias)
+        # the weights are never written during a step: the decode GEMV may read them early
+        return qops.w8a8_gemm(x.q, self.weight, x.s, self.weight_scale, self.out_dtype, self.bias,
+                              overlap_prologue=True)
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, act="
