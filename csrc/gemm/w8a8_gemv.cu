@@ -316,7 +316,10 @@ __global__ void __launch_bounds__(kWarps * 32) w8a8_gemv_kernel(const Params p) 
 // With `resident` set, reports the build's resident CTAs per SM (the occupancy API: registers,
 // shared memory, threads) instead of launching.
 // The kEarly build (first weights before the wait) runs where the caller promised it
-// (p.overlap_prologue) and the launch uses PDL; the residency asked is the plain build's.
+// (p.overlap_prologue), the launch uses PDL and M <= 8. (At M > 8 the early batch's registers,
+// live across the wait and the staged epilogue's setup, cost resident CTAs that gemv_shape
+// counted on: 70B-tp8 gate_up at M = 16 took 22.0 -> 28.1 us, H100. At M = 1 it was the same or
+// faster at every Llama layer: docs/w8a8_gemm.md.) The residency asked is the plain build's.
 template <int J, int U, int kWarps, bool kM16, typename OutT>
 cudaError_t launch_variant(const Params& p, bool pdl, cudaStream_t stream, int* resident) {
   const auto kernel = w8a8_gemv_kernel<J, U, kWarps, kM16, OutT, false>;
@@ -324,8 +327,8 @@ cudaError_t launch_variant(const Params& p, bool pdl, cudaStream_t stream, int* 
     return cudaOccupancyMaxActiveBlocksPerMultiprocessor(resident, kernel, kWarps * 32, 0);
   }
   const dim3 grid((p.n + 8 * J - 1) / (8 * J)), block(kWarps * 32);
-  if (pdl && p.overlap_prologue) {
-    return launch_kernel(w8a8_gemv_kernel<J, U, kWarps, kM16, OutT, true>, grid, block, stream,
+  if (!kM16 && pdl && p.overlap_prologue) {
+    return launch_kernel(w8a8_gemv_kernel<J, U, kWarps, false, OutT, true>, grid, block, stream,
                          pdl, p);
   }
   return launch_kernel(kernel, grid, block, stream, pdl, p);

@@ -46,8 +46,8 @@ struct Problem {
   int gemv_chunks;
   // The GEMV launches with programmatic dependent launch (sm_90) unless this is set.
   bool gemv_no_pdl;
-  // The previous kernel in the stream does not write `b`: with PDL the GEMV requests its first
-  // weights before it waits for that kernel (w8a8_gemm's overlap_prologue).
+  // The previous kernel in the stream does not write `b`: with PDL the GEMV (M <= 8) requests its
+  // first weights before it waits for that kernel (w8a8_gemm's overlap_prologue).
   bool gemv_overlap_prologue;
 };
 

@@ -86,7 +86,7 @@ def w8a8_gemm(
             hand-written decode kernel (M <= 16). The CPU reference ignores it.
         overlap_prologue: keyword-only; True promises that the kernel launched just before this
             call on the same stream does not write ``b`` (weights are constant across a decode
-            step). The decode GEMV (M <= 16) then requests its first weights before it waits
+            step). The decode GEMV (M <= 8) then requests its first weights before it waits
             for that kernel (programmatic dependent launch, sm_90), so that their round trip runs
             while it finishes. A false promise is a race. No effect on the result, on the CUTLASS
             configs, on CPU or where PDL is off (``QOPS_PDL=0``).
