@@ -293,9 +293,9 @@ __global__ void __launch_bounds__(NW * 32, kMinBlocksPerSm<D, kTwoRows, NW>)
   // previous kernel in the stream to complete before reading what it may have written. By
   // default that is everything (the query, the cache, the block tables, ...). With
   // p.overlap_prologue the caller promises that it wrote only the KV cache and its per-token
-  // scales (as the cache write does), so the prologue's reads -- seq_len, the first block ids, the query, the ALiBi slopes,
-  // the static scales -- happen while it finishes, and only the K/V copies wait (below). The next
-  // kernel is released after the main loop.
+  // scales (as the cache write does), so the prologue's reads -- seq_len, the first block ids,
+  // the query, the ALiBi slopes, the static scales -- happen while it finishes, and only the K/V
+  // copies wait (below). The next kernel is released after the main loop.
   if (!p.overlap_prologue) pdl_wait();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int gid = lane >> 2, t4 = lane & 3;
