@@ -142,6 +142,11 @@ __global__ void rd_bulk(const char* buf, long window_chunks, long base, int chun
 
 typedef void (*Kern)(const char*, long, long, int, unsigned*);
 struct Cfg { const char* name; Kern k; int threads; int smem; int C; };
+// A reader's launch shape follows from its template arguments: NW warps, ST stages of C bytes per
+// warp in dynamic shared memory (the ld readers hold theirs in registers).
+template <int C, int ST, int NW> Cfg cp(const char* n) { return {n, rd_cp<C, ST, NW>, NW * 32, NW * ST * C, C}; }
+template <int C, int U, int NW> Cfg ld(const char* n) { return {n, rd_ld<C, U, NW>, NW * 32, 0, C}; }
+template <int C, int ST, int NW> Cfg bulk(const char* n) { return {n, rd_bulk<C, ST, NW>, NW * 32, NW * ST * C, C}; }
 
 int main() {
   int sms; CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
@@ -163,28 +168,28 @@ int main() {
   }
   unsigned* out; CK(cudaMalloc(&out, 4));
   std::vector<Cfg> cfgs = {
-      {"cp 8w st4 C2K", rd_cp<2048, 4, 8>, 256, 8 * 4 * 2048, 2048},
-      {"cp 8w st8 C2K", rd_cp<2048, 8, 8>, 256, 8 * 8 * 2048, 2048},
-      {"cp 8w st12 C2K", rd_cp<2048, 12, 8>, 256, 8 * 12 * 2048, 2048},
-      {"ld 8w u2 C2K", rd_ld<2048, 2, 8>, 256, 0, 2048},
-      {"ld 8w u4 C2K", rd_ld<2048, 4, 8>, 256, 0, 2048},
-      {"bulk st16 C2K", rd_bulk<2048, 16, 1>, 32, 16 * 2048, 2048},
-      {"bulk st48 C2K", rd_bulk<2048, 48, 1>, 32, 48 * 2048, 2048},
-      {"bulk st96 C2K", rd_bulk<2048, 96, 1>, 32, 96 * 2048, 2048},
-      {"bulk 8w st8 C2K", rd_bulk<2048, 8, 8>, 256, 8 * 8 * 2048, 2048},
-      {"bulk 4w st16 C2K", rd_bulk<2048, 16, 4>, 128, 4 * 16 * 2048, 2048},
-      {"bulk 2w st32 C2K", rd_bulk<2048, 32, 2>, 64, 2 * 32 * 2048, 2048},
-      {"bulk st12 C8K", rd_bulk<8192, 12, 1>, 32, 12 * 8192, 8192},
-      {"bulk 4w st4 C8K", rd_bulk<8192, 4, 4>, 128, 4 * 4 * 8192, 8192},
-      {"cp 8w st3 C8K", rd_cp<8192, 3, 8>, 256, 8 * 3 * 8192, 8192},
-      {"cp 8w st6 C1K", rd_cp<1024, 6, 8>, 256, 8 * 6 * 1024, 1024},
-      {"cp 8w st12 C1K", rd_cp<1024, 12, 8>, 256, 8 * 12 * 1024, 1024},
-      {"ld 8w u4 C1K", rd_ld<1024, 4, 8>, 256, 0, 1024},
-      {"ld 8w u8 C1K", rd_ld<1024, 8, 8>, 256, 0, 1024},
-      {"bulk st32 C1K", rd_bulk<1024, 32, 1>, 32, 32 * 1024, 1024},
-      {"bulk st96 C1K", rd_bulk<1024, 96, 1>, 32, 96 * 1024, 1024},
-      {"bulk st192 C1K", rd_bulk<1024, 192, 1>, 32, 192 * 1024, 1024},
-      {"bulk 8w st12 C1K", rd_bulk<1024, 12, 8>, 256, 8 * 12 * 1024, 1024},
+      cp<2048, 4, 8>("cp 8w st4 C2K"),
+      cp<2048, 8, 8>("cp 8w st8 C2K"),
+      cp<2048, 12, 8>("cp 8w st12 C2K"),
+      ld<2048, 2, 8>("ld 8w u2 C2K"),
+      ld<2048, 4, 8>("ld 8w u4 C2K"),
+      bulk<2048, 16, 1>("bulk st16 C2K"),
+      bulk<2048, 48, 1>("bulk st48 C2K"),
+      bulk<2048, 96, 1>("bulk st96 C2K"),
+      bulk<2048, 8, 8>("bulk 8w st8 C2K"),
+      bulk<2048, 16, 4>("bulk 4w st16 C2K"),
+      bulk<2048, 32, 2>("bulk 2w st32 C2K"),
+      bulk<8192, 12, 1>("bulk st12 C8K"),
+      bulk<8192, 4, 4>("bulk 4w st4 C8K"),
+      cp<8192, 3, 8>("cp 8w st3 C8K"),
+      cp<1024, 6, 8>("cp 8w st6 C1K"),
+      cp<1024, 12, 8>("cp 8w st12 C1K"),
+      ld<1024, 4, 8>("ld 8w u4 C1K"),
+      ld<1024, 8, 8>("ld 8w u8 C1K"),
+      bulk<1024, 32, 1>("bulk st32 C1K"),
+      bulk<1024, 96, 1>("bulk st96 C1K"),
+      bulk<1024, 192, 1>("bulk st192 C1K"),
+      bulk<1024, 12, 8>("bulk 8w st12 C1K"),
   };
   for (auto& c : cfgs)
     if (c.smem > 48 * 1024) CK(cudaFuncSetAttribute(c.k, cudaFuncAttributeMaxDynamicSharedMemorySize, c.smem));
