@@ -122,14 +122,17 @@ def test_norm_chain_in_place_residual(monkeypatch, variant):
 
 @gpu
 @pytest.mark.parametrize("overlap", [False, True])
-@pytest.mark.parametrize("num_splits", [4, 1])
-def test_decode_attention_chain(monkeypatch, num_splits, overlap):
+@pytest.mark.parametrize("num_splits,L", [(4, 600), (4, 610), (4, 33), (1, 600)])
+def test_decode_attention_chain(monkeypatch, num_splits, L, overlap):
     """Cache write of the new token -> split decode attention (reads that token) -> per-token quant
     of its output -> GEMV, PDL on and off, eagerly and replayed from a CUDA graph. With
-    ``overlap_prologue`` (the attention reads its query and tables before the cache write has
-    completed, as the Llama calls it) the K/V reads must still see the new token."""
+    ``overlap_prologue`` (the attention reads its query, its tables and the K/V of older tokens
+    before the cache write has completed, as the Llama calls it) the K/V reads must still see the
+    new token. With 4 splits of 8-warp CTAs the new token's chunk is, at L = 600, the first chunk
+    of a split's last warp (its other warps and splits load theirs before the wait), at L = 610 a
+    warp's second, and at L = 33 the only chunk of its split (a new block's first token)."""
     _needs_gemm()
-    B, HQ, HKV, D, bs, L = 3, 8, 2, 128, 16, 600
+    B, HQ, HKV, D, bs = 3, 8, 2, 128, 16
     blocks_per_seq = (L + bs - 1) // bs
     g = torch.Generator(device="cuda").manual_seed(7)
     nb = B * blocks_per_seq + 2

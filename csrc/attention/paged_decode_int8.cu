@@ -292,10 +292,11 @@ __global__ void __launch_bounds__(NW * 32, kMinBlocksPerSm<D, kTwoRows, NW>)
   // Programmatic dependent launch (when the launch allows it, see split_config): wait for the
   // previous kernel in the stream to complete before reading what it may have written. By
   // default that is everything (the query, the cache, the block tables, ...). With
-  // p.overlap_prologue the caller promises that it wrote only the KV cache and its per-token
-  // scales (as the cache write does), so the prologue's reads -- seq_len, the first block ids,
-  // the query, the ALiBi slopes, the static scales -- happen while it finishes, and only the K/V
-  // copies wait (below). The next kernel is released after the main loop.
+  // p.overlap_prologue the caller promises that of what this kernel reads it wrote only each
+  // sequence's last token in the KV cache (K, V and their scales, as the decode step's cache
+  // write does), so the prologue's reads -- seq_len, the first block ids, the query, the ALiBi
+  // slopes, the static scales and the first chunks' K/V except the last token's -- happen while
+  // it finishes (below). The next kernel is released after the main loop.
   if (!p.overlap_prologue) pdl_wait();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int gid = lane >> 2, t4 = lane & 3;
@@ -466,17 +467,25 @@ __global__ void __launch_bounds__(NW * 32, kMinBlocksPerSm<D, kTwoRows, NW>)
     x.ok = (ok_mask >> st) & 1u;
   };
 
-  // The previous kernel may have written the K/V cache and its per-token scales.
-  if (p.overlap_prologue) pdl_wait();
-
   // ---- the pipeline's prologue: this warp's chunks c_begin + warp + i * kWarps, S - NC in flight
   const int first = c_begin + warp;
   const int my_n = first < c_end ? (c_end - first + kWarps - 1) / kWarps : 0;
+  // Without p.overlap_prologue the wait came first. With it, the previous kernel wrote at most
+  // the sequence's last token's K/V and scales (position L - 1, chunk nchunks - 1; the decode
+  // step's cache write): a warp whose first chunks do not hold that chunk issues their copies
+  // before the wait, so they stream while that kernel finishes; the warp that holds it waits
+  // first. Every later chunk is issued after the wait.
+  const int to_last = nchunks - 1 - first;  // the last chunk is this warp's (to_last / kWarps)-th
+  const bool holds_last =
+      to_last >= 0 && to_last % kWarps == 0 && to_last / kWarps < min(S - NC, my_n);
+  const bool kv_early = p.overlap_prologue && !holds_last;
+  if (p.overlap_prologue && !kv_early) pdl_wait();
 #pragma unroll
   for (int i = 0; i < S - NC; ++i) {
     if (i < my_n) issue(first + i * kWarps, i, i);
     cp_async_commit();
   }
+  if (kv_early) pdl_wait();
 
   // ---- Q fragments (B of S^T = K Q^T: k = head dim, n = query heads), with the head-dim
   // permutation of the K loads: k-step c of thread t4 covers

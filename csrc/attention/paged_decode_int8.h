@@ -53,9 +53,11 @@ struct PagedDecodeInt8Params {
   bool cluster_merge;       // cluster (DSMEM) split merge (see above); overrides split_counters
   int warps;                // warps per CTA: 0 = the launcher's rule; 4 or 8 (override for tests)
   bool no_pdl;              // launch without programmatic dependent launch (sm_90; see the .cu)
-  // The previous kernel in the stream writes only the KV cache and its per-token scales (as the
-  // cache write does), none of query, block_tables, seq_lens, alibi_slopes or static scales: with
-  // programmatic dependent launch the kernel reads those before it waits for that kernel.
+  // Of what this kernel reads, the previous kernel in the stream writes only each sequence's last
+  // token (position seq_lens[b] - 1) in the KV cache and its per-token scales, as the decode
+  // step's cache write does; none of query, block_tables, seq_lens, alibi_slopes or static
+  // scales. With programmatic dependent launch the kernel then reads those, and the K/V of its
+  // first chunks that do not hold the last token, before it waits for that kernel.
   bool overlap_prologue;
   int batch, num_q_heads, num_kv_heads, head_dim, block_size, num_blocks, max_blocks;
   int num_splits;

@@ -182,13 +182,15 @@ def paged_decode_attention_int8(
         num_splits: keyword-only performance knob: how many CTAs share one sequence's context
             (flash-decoding split-K); 0 lets the kernel choose. The result does not depend on it
             beyond float32 rounding.
-        overlap_prologue: keyword-only; True promises that the kernel launched just before this
-            call on the same stream writes only the KV cache and its per-token scales (as
-            ``reshape_and_cache_int8`` does), none of ``query``, ``block_tables``, ``seq_lens``,
-            ``alibi_slopes`` or static scales. With programmatic dependent launch (sm_90, split
-            contexts) the kernel then reads those while that kernel finishes, and only its K/V
-            reads wait for it: one memory round trip less per call at small batch. A false
-            promise is a race. No effect on CPU or where PDL is off (``QOPS_PDL=0``).
+        overlap_prologue: keyword-only; True promises that, of what this call reads, the kernel
+            launched just before it on the same stream writes only each sequence's last token
+            (position ``seq_lens[b] - 1``) in the KV cache and its per-token scales, as the decode
+            step's ``reshape_and_cache_int8`` of the new tokens does: none of ``query``,
+            ``block_tables``, ``seq_lens``, ``alibi_slopes``, static scales or older tokens. With
+            programmatic dependent launch (sm_90, split contexts) the kernel then reads those, and
+            starts streaming its first K/V chunks, while that kernel finishes; only the last
+            token's chunk waits for it. A false promise is a race. No effect on CPU or where PDL
+            is off (``QOPS_PDL=0``).
     Returns:
         ``[B, HQ, D]`` in the query's dtype.
     """
