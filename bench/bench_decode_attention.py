@@ -9,7 +9,13 @@ replays over several input sets (L2 does not hold the previous call's cache).
 
 `overlap_us` times the same calls with ``overlap_prologue=True``, as the quantized Llama makes
 them (right after the cache write): with programmatic dependent launch the prologue's reads
-(sequence length, block ids, query) overlap the previous kernel's tail.
+(sequence length, block ids, query, the first K/V chunks but the last token's) overlap the
+previous kernel's tail.
+
+`write_us`, `step_us` and `step_overlap_us` time the decode step's pair as the Llama runs it: the
+cache write of each sequence's new token (``reshape_and_cache_int8`` into position L - 1) alone,
+then followed by the attention, default and overlapped. `step_overlap_us - write_us` is what the
+attention adds to a step.
 
 At the small-batch rows (B = 1 and 8) the int8 kernel is also timed on each split-merge path: the
 cluster merge (QOPS_DECODE_CLUSTER_MERGE, through distributed shared memory, one launch -- the
@@ -87,6 +93,18 @@ def int8_problem(B, HQ, HKV, D, lens, seed, block_size=BLOCK):
     return q, k_cache, v_cache, k_scales, v_scales, bt, sl
 
 
+def new_token_write(problem):
+    """The decode step's cache write for ``problem`` (an ``int8_problem``): each sequence's new
+    token, fresh bf16 K/V, quantized into position ``seq_lens[b] - 1``. Returns the call."""
+    q, k_cache, v_cache, k_scales, v_scales, bt, sl = problem
+    B, HKV, bs, D = q.shape[0], k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    pos = sl.long() - 1
+    slots = bt[torch.arange(B, device="cuda"), pos // bs].long() * bs + pos % bs
+    k = torch.randn(B, HKV, D, device="cuda", dtype=DTYPE)
+    v = torch.randn(B, HKV, D, device="cuda", dtype=DTYPE)
+    return lambda: qops.reshape_and_cache_int8(k, v, k_cache, v_cache, k_scales, v_scales, slots)
+
+
 def int8_bytes(B, HQ, HKV, D, lens):
     toks = sum(lens)
     return (2 * toks * HKV * D + 2 * toks * HKV * 4 + 2 * B * HQ * D * 2 + B * 4
@@ -153,10 +171,22 @@ def run_config(model, B, T, copy_bw, splits_sweep=(), merge_compare=False):
         return lambda: qops.paged_decode_attention_int8(*a, sm, num_splits=ns,
                                                         overlap_prologue=overlap)
     us = bench_us(make, n_i8)  # the path the environment (or the glue's rule) selects
-    # As the Llama calls it (after the cache write, which writes only the cache): the prologue's
-    # reads overlap the previous kernel's tail. Here the previous kernel is the previous call,
-    # which writes only its output, so the promise holds.
+    # As the Llama calls it (after the cache write, which writes only the new tokens): the
+    # prologue's reads overlap the previous kernel's tail. Here the previous kernel is the
+    # previous call, which writes only its output, so the promise holds.
     overlap_us = bench_us(lambda i: make(i, overlap=True), n_i8)
+    # The decode step's pair: write each sequence's new token (position L - 1), then attend.
+    new_kv = [new_token_write(a) for a in sets]
+
+    def step(i, overlap=None):
+        write = new_kv[i]
+        attend = make(i, overlap=bool(overlap))
+        if overlap is None:
+            return write
+        return lambda: (write(), attend())
+    write_us = bench_us(step, n_i8)
+    step_us = bench_us(lambda i: step(i, False), n_i8)
+    step_overlap_us = bench_us(lambda i: step(i, True), n_i8)
     cluster_us = fused_us = unfused_us = None
     if merge_compare:  # every merge path, same inputs
         with merge_path("cluster"):
@@ -185,6 +215,7 @@ def run_config(model, B, T, copy_bw, splits_sweep=(), merge_compare=False):
         "sdpa_GBps": gbps(set_bytes_16, s_us) if s_us < float("inf") else 0.0,
         "speedup_vs_sdpa": s_us / us,
         "overlap_us": overlap_us, "overlap_vs_sdpa": s_us / overlap_us,
+        "write_us": write_us, "step_us": step_us, "step_overlap_us": step_overlap_us,
         "cluster_us": "", "fused_us": "", "unfused_us": "", "cluster_over_unfused": "",
         "fused_over_unfused": "",
     }
@@ -246,7 +277,9 @@ def main():
                       f"{row['int8_GBps']:6.0f} GB/s ({100 * row['frac_copy_bw']:.0f}% copy)  "
                       f"sdpa[{row['sdpa_backend']}] {row['sdpa_us']:9.1f} us  "
                       f"x{row['speedup_vs_sdpa']:.2f}  overlapped {row['overlap_us']:.1f} us "
-                      f"x{row['overlap_vs_sdpa']:.2f}{merge}", flush=True)
+                      f"x{row['overlap_vs_sdpa']:.2f}  step (write {row['write_us']:.1f}) "
+                      f"{row['step_us']:.1f} / overlapped {row['step_overlap_us']:.1f} us{merge}",
+                      flush=True)
     # variable lengths in one batch
     HQ, HKV, D = MODELS["llama3-8b-gqa"]
     g = torch.Generator().manual_seed(0)
@@ -270,7 +303,8 @@ def main():
              os.path.join(args.out, "decode_attention.png"))
     print("\n== paged_decode_attention_int8 vs SDPA (bf16 K/V)")
     print_table(rows, ["model", "B", "T", "int8_us", "int8_GBps", "frac_copy_bw", "sdpa_us",
-                       "sdpa_backend", "speedup_vs_sdpa", "overlap_us", "overlap_vs_sdpa"])
+                       "sdpa_backend", "speedup_vs_sdpa", "overlap_us", "overlap_vs_sdpa",
+                       "write_us", "step_us", "step_overlap_us"])
     merged = [r for r in rows if r["fused_over_unfused"] != ""]
     if merged:
         print("\n== split merges: cluster (DSMEM) and fused (workspace + counters) vs split + reduce "
