@@ -280,8 +280,9 @@ class Attention(nn.Module):
     def _decode(self, q, cache, ctx) -> torch.Tensor:
         kc, vc, ks, vs = cache.layer(self.layer_idx)
         if ks is not None:
-            # the cache write just before wrote only the cache: the kernel may read q and the
-            # tables while it finishes (PDL)
+            # the cache write just before wrote only each sequence's new token (position
+            # seq_len - 1): the kernel may read q, the tables and the older K/V while it
+            # finishes (PDL)
             return qops.paged_decode_attention_int8(q, kc, vc, ks, vs, ctx.block_tables, ctx.seq_lens,
                                                     self.sm_scale, overlap_prologue=True)
         # float cache: gather each sequence's blocks, mask beyond its length
