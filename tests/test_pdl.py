@@ -13,15 +13,9 @@ import pytest
 import torch
 
 import qops
+from conftest import needs_w8a8_gemm  # the chains include the sm_90a GEMMs
 
 gpu = pytest.mark.gpu
-
-
-def _needs_gemm():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    if not qops.has_cuda_kernel("w8a8_gemm") or torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the chain includes the sm_90a w8a8_gemm kernels")
 
 
 def _weights(n, k, g):
@@ -60,7 +54,7 @@ def _mlp_chain(x, r, n1, n2, gate_up, down, overlap=False):
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("m", [1, 7, 16])
 def test_decode_mlp_chain_pdl_on_off_and_graph(monkeypatch, m, overlap):
-    _needs_gemm()
+    needs_w8a8_gemm()
     h, inter = 1024, 1408
     x, r0, n1, n2, gate_up, down = _layer_inputs(m, h, inter, seed=m)
 
@@ -131,7 +125,7 @@ def test_decode_attention_chain(monkeypatch, num_splits, L, overlap):
     new token. With 4 splits of 8-warp CTAs the new token's chunk is, at L = 600, the first chunk
     of a split's last warp (its other warps and splits load theirs before the wait), at L = 610 a
     warp's second, and at L = 33 the only chunk of its split (a new block's first token)."""
-    _needs_gemm()
+    needs_w8a8_gemm()
     B, HQ, HKV, D, bs = 3, 8, 2, 128, 16
     blocks_per_seq = (L + bs - 1) // bs
     g = torch.Generator(device="cuda").manual_seed(7)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import qops
-from conftest import maybe_compile, poison_cuda_allocator
+from conftest import maybe_compile, needs_w8a8_gemm, poison_cuda_allocator
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "cutlass_kernels"))
@@ -234,15 +234,6 @@ def test_generated_selection_matches_the_table(tmp_path):
 
 
 # ---- CUDA ---------------------------------------------------------------------------------------
-def _needs_kernel():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    if not qops.has_cuda_kernel("w8a8_gemm"):
-        pytest.skip("this build has no w8a8_gemm CUDA kernel (built without sm_90a)")
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the w8a8_gemm kernels are sm_90a (Hopper) only")
-
-
 def run_and_check(a, b, sa, sb, dtype, bias=None, **kw):
     poison_cuda_allocator()
     d = qops.w8a8_gemm(a, b, sa, sb, dtype, bias, **kw)
@@ -270,7 +261,7 @@ _CONFIG_SHAPES = [pytest.param(c, shape, id=f"{c}-{sid}") for c in table.config_
 @pytest.mark.parametrize("dtype", HALF, ids=["fp16", "bf16"])
 @pytest.mark.parametrize("config,shape", _CONFIG_SHAPES)
 def test_every_generated_kernel(config, shape, dtype, mode, bias):
-    _needs_kernel()
+    needs_w8a8_gemm()
     m, n, k = shape
     per = mode == "token_channel"
     a, b, sa, sb, bz = make_inputs(m, n, k, device="cuda", per_token=per, per_channel=per, bias=bias, dtype=dtype)
@@ -290,7 +281,7 @@ _GEMV_SHAPES = [(8, 4, 4), (8, 8, 4), (16, 8, 2), (8, 4, 8), (8, 8, 8)]
 @pytest.mark.parametrize("problem", _GEMV_PROBLEMS, ids=[f"{m}x{n}x{k}" for m, n, k in _GEMV_PROBLEMS])
 @pytest.mark.parametrize("dtype", HALF, ids=["fp16", "bf16"])
 def test_gemv_every_launch_shape(problem, launch, dtype, monkeypatch):
-    _needs_kernel()
+    needs_w8a8_gemm()
     m, n, k = problem
     i = _GEMV_PROBLEMS.index(problem) + _GEMV_SHAPES.index(launch)
     per, bias = i % 3 != 0, i % 2 == 0  # both scale modes, with and without bias, across problems
@@ -312,7 +303,7 @@ def test_gemv_own_shape_at_multi_wave_layers(m, dtype, monkeypatch):
     (csrc/gemm/w8a8_gemv.cu gemv_shape), on layers whose grids take more than one wave: 70B-tp8
     down (N = 8192, K = 3584; 8 chunks at M = 16 on an H100) and N = 8208 with K = 2064 (a tail
     that is not a whole 64-byte chunk), where the same holds."""
-    _needs_kernel()
+    needs_w8a8_gemm()
     monkeypatch.delenv("QOPS_GEMV_SHAPE", raising=False)
     for n, k in [(8192, 3584), (8208, 2064)]:
         a, b, sa, sb, bz = make_inputs(m, n, k, device="cuda", per_token=True, per_channel=True, bias=True,
@@ -328,7 +319,7 @@ def test_gemv_bias_at_odd_element(launch, dtype, monkeypatch):
     """The GEMV's M > 8 builds (M = 9 here) stage each output pair's bias as one 4-byte copy when
     the bias is 4-byte aligned; a bias slice that starts at an odd element is read element by
     element instead. Both give the reference's bits."""
-    _needs_kernel()
+    needs_w8a8_gemm()
     monkeypatch.setenv("QOPS_GEMV_SHAPE", ",".join(map(str, launch)))
     m, n, k = 9, 208, 272
     a, b, sa, sb, _ = make_inputs(m, n, k, device="cuda", dtype=dtype)
@@ -347,7 +338,7 @@ def test_gemv_reads_what_the_previous_kernel_wrote(pdl, overlap, m, monkeypatch)
     still read the activations and scales that kernel writes (eager and in a CUDA graph), also
     when it reads its first weights before the wait (overlap_prologue: the producers do not
     write the weights; M <= 8), and at M > 8, where the flag keeps the plain build."""
-    _needs_kernel()
+    needs_w8a8_gemm()
     monkeypatch.setenv("QOPS_PDL", pdl)
     n, k = 4096, 4096
     a_buf = torch.zeros(m, k, dtype=torch.int8, device="cuda")
@@ -386,7 +377,7 @@ def test_gemv_reads_what_the_previous_kernel_wrote(pdl, overlap, m, monkeypatch)
 
 @pytest.mark.gpu
 def test_gemv_errors(monkeypatch):
-    _needs_kernel()
+    needs_w8a8_gemm()
     a, b, sa, sb, _ = make_inputs(17, 32, 64, device="cuda")
     with pytest.raises(ValueError, match="qops.w8a8_gemm: config 'gemv' serves M <= 16, got M = 17"):
         qops.w8a8_gemm(a, b, sa, sb, torch.float16, config="gemv")
@@ -403,7 +394,7 @@ def test_gemv_errors(monkeypatch):
     (129, 6144, 4096), (1025, 1024, 1024), (4097, 1040, 528),
 ])
 def test_auto_selection_at_awkward_sizes(m, n, k):
-    _needs_kernel()
+    needs_w8a8_gemm()
     a, b, sa, sb, bias = make_inputs(m, n, k, device="cuda", bias=m % 2 == 1, dtype=torch.bfloat16)
     run_and_check(a, b, sa, sb, torch.bfloat16, bias)
 
@@ -411,7 +402,7 @@ def test_auto_selection_at_awkward_sizes(m, n, k):
 @pytest.mark.gpu
 @pytest.mark.parametrize("mixed", ["token_tensor", "tensor_channel", "column_vector"])
 def test_mixed_scale_shapes(mixed):
-    _needs_kernel()
+    needs_w8a8_gemm()
     m, n, k = 37, 96, 256
     a, b, sa, sb, _ = make_inputs(m, n, k, device="cuda", per_token=mixed != "tensor_channel",
                                   per_channel=mixed != "token_tensor")
@@ -422,7 +413,7 @@ def test_mixed_scale_shapes(mixed):
 
 @pytest.mark.gpu
 def test_strided_operands_and_scales():
-    _needs_kernel()
+    needs_w8a8_gemm()
     m, n, k = 50, 64, 320
     a_wide = torch.randint(-128, 128, (m, k + 48), dtype=torch.int8, device="cuda")
     b_wide = torch.randint(-128, 128, (n, k + 16), dtype=torch.int8, device="cuda")
@@ -435,7 +426,7 @@ def test_strided_operands_and_scales():
 
 @pytest.mark.gpu
 def test_int8_extremes_accumulate_exactly():
-    _needs_kernel()
+    needs_w8a8_gemm()
     k = 131056
     a = torch.full((16, k), -128, dtype=torch.int8, device="cuda")
     b = torch.full((32, k), -128, dtype=torch.int8, device="cuda")
@@ -448,7 +439,7 @@ def test_int8_extremes_accumulate_exactly():
 
 @pytest.mark.gpu
 def test_zero_sizes_and_zero_k_on_cuda():
-    _needs_kernel()
+    needs_w8a8_gemm()
     b = torch.randint(-128, 128, (32, 16), dtype=torch.int8, device="cuda")
     d = qops.w8a8_gemm(torch.empty(0, 16, dtype=torch.int8, device="cuda"), b, torch.ones(1, device="cuda"),
                        torch.ones(32, device="cuda"), torch.float16)
@@ -464,7 +455,7 @@ def test_zero_sizes_and_zero_k_on_cuda():
 @pytest.mark.parametrize("config", ["auto", "gemv"] + [c.name for c in table.CONFIGS if c.stream_k])
 def test_inputs_unchanged_and_cuda_graph_replay(config):
     """Also: a stream-K config's workspace, allocated during capture, is re-initialized per replay."""
-    _needs_kernel()
+    needs_w8a8_gemm()
     m = 16 if config == "gemv" else 17
     a, b, sa, sb, bias = make_inputs(m, 4096, 4096, device="cuda", bias=True, dtype=torch.bfloat16)
     saved = [t.clone() for t in (a, b, sa, sb, bias)]
@@ -494,7 +485,7 @@ def test_inputs_unchanged_and_cuda_graph_replay(config):
 @pytest.mark.gpu
 @pytest.mark.parametrize("i", range(N_BAD_CALLS))
 def test_cuda_errors_name_the_argument(i):
-    _needs_kernel()
+    needs_w8a8_gemm()
     args, exc, msg = _bad_calls("cuda")[i]
     with pytest.raises(exc, match=f"qops.w8a8_gemm: {msg}"):
         qops.w8a8_gemm(*args)
@@ -502,7 +493,7 @@ def test_cuda_errors_name_the_argument(i):
 
 @pytest.mark.gpu
 def test_cuda_layout_and_config_errors():
-    _needs_kernel()
+    needs_w8a8_gemm()
     a, b, sa, sb, _ = make_inputs(4, 32, 64, device="cuda")
     h = torch.float16
     wide = torch.zeros(4, 80, dtype=torch.int8, device="cuda")
@@ -523,7 +514,7 @@ def test_cuda_layout_and_config_errors():
 
 @pytest.mark.gpu
 def test_opcheck_cuda():
-    _needs_kernel()
+    needs_w8a8_gemm()
     a, b, sa, sb, bias = make_inputs(33, 128, 256, device="cuda", bias=True)
     torch.library.opcheck(torch.ops.qops.w8a8_gemm.default, (a, b, sa, sb, torch.float16, bias))
     torch.library.opcheck(torch.ops.qops.w8a8_gemm.default, (a, b, sa[:1], sb[:1], torch.float16),
