@@ -1029,7 +1029,17 @@ __global__ void __launch_bounds__(128) paged_decode_int8_reduce_kernel(const flo
 template <typename T, int D, bool kTwoRows, bool kStatic, int NW, bool kCluster>
 cudaError_t split_config(const PagedDecodeInt8Params& p, dim3 grid, cudaStream_t stream,
                          cudaLaunchConfig_t* cfg, cudaLaunchAttribute* attrs) {
-  constexpr int smem = kSmemBytes<D, kTwoRows, NW, kCluster>;
+  // 8-warp CTAs (grids of at most one CTA per SM) reserve over half an SM's shared memory, so
+  // that one runs per SM: with ~100 KB at D = 64 two fit, and a cluster launch (or the next call's
+  // CTAs, dispatched early under PDL) then stacked two on some SMs while others idled (Nsight
+  // Compute: 0 to 2 CTAs per SM). H100, same-run A/B, SmolLM2 B = 4, T = 16384: 14.9 -> 12.2 us.
+  int smem = kSmemBytes<D, kTwoRows, NW, kCluster>;
+  if (NW == 8) {
+    DeviceProps props;
+    cudaError_t e = current_device_props(&props);
+    if (e != cudaSuccess) return e;
+    smem = std::max(smem, std::min(props.smem_per_block, props.smem_per_sm / 2 + 1));
+  }
   auto kernel = paged_decode_int8_kernel<T, D, kTwoRows, kStatic, NW, kCluster>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
@@ -1143,11 +1153,14 @@ int paged_decode_int8_num_splits(int batch, int num_q_heads, int num_kv_heads, i
   const int G = num_q_heads / num_kv_heads;
   const int64_t ctas = static_cast<int64_t>(batch) * num_kv_heads * head_groups(G);
   const int64_t sms = num_sms > 0 ? num_sms : 132;
-  // Measured on H100 (bench/bench_decode_attention.py's num_splits sweep): at D = 128 the best
-  // split count gives about one CTA per SM (more splits cost more than the extra parallelism
-  // brings); at D = 64 about one wave of 3 CTAs per SM. A batch with a CTA for half the SMs runs
-  // unsplit at either D (SmolLM2, B = 32: 96 CTAs; 25.4 us unsplit, 28.4 us at 4 splits).
-  const int64_t slots = sms * (head_dim == 128 ? 1 : 3);
+  // Measured on H100 (bench/bench_decode_attention.py's num_splits sweep): the best split count
+  // gives about one 8-warp CTA per SM (more splits cost more than the extra parallelism brings).
+  // Until the 8-warp CTAs reserved one SM each, D = 64 aimed at 3 4-warp CTAs per SM instead;
+  // one 8-warp CTA per SM measured 0.82-0.94x of that at SmolLM2 B = 4-16, T >= 4096 (1.07x at B = 4,
+  // T = 1024; docs/kv_cache.md). A
+  // batch with a CTA for half the SMs runs unsplit at either D (SmolLM2, B = 32: 96 CTAs; 25.4 us
+  // unsplit, 28.4 us at 4 splits).
+  const int64_t slots = sms;
   if (2 * ctas >= sms) return 1;
   // at most `slots` CTAs (a partial second wave of equal CTAs costs a whole CTA time), and at
   // least kMinTokensPerSplit (cluster merge: kMinTokensPerClusterSplit) tokens per split. Short
@@ -1244,9 +1257,12 @@ int paged_decode_int8_fit_cluster_splits(const PagedDecodeInt8Params& q, int max
   // Measured on H100 (Llama-2-7B MHA at B = 1, 32 clusters; 4-CTA clusters of the one-CTA-per-SM
   // kernel do not all fit, 3-CTA ones do): T = 4096, 3 splits in clusters 17.8 us, 4 through the
   // workspace 19.0 us; T = 16384: 57.7 against 55.0 us, so long contexts keep the splits.
+  // The same bytes per split at either head_dim: a D = 64 token row is half a D = 128 one.
+  // (SmolLM2 B = 8, T = 16384: 5 splits through the workspace 26.4 us, 4 in clusters 21.4 us.)
+  const int fit_tokens = kClusterFitTokens * 128 / q.head_dim;
   PagedDecodeInt8Params p = q;
   for (int t = s - 1; t >= lowest; --t) {
-    if ((max_context + t - 1) / t > kClusterFitTokens) break;
+    if ((max_context + t - 1) / t > fit_tokens) break;
     p.num_splits = t;
     if (paged_decode_int8_cluster_merge_fits(p)) return t;
   }

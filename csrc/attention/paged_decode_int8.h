@@ -103,7 +103,8 @@ bool paged_decode_int8_cluster_merge_fits(const PagedDecodeInt8Params& p);
 // launch would take the workspace merge). Where those of a few splits fewer do (down to three
 // quarters of p.num_splits, or to 8 from past 8), and the context is short, the fewer splits; else
 // p.num_splits. Short:
-// at most kClusterFitTokens of `max_context` per split, where the workspace merge's fixed cost
+// at most kClusterFitTokens of `max_context` per split at head_dim 128 (twice as many at 64: the
+// same bytes), where the workspace merge's fixed cost
 // (~1-2 us) is more than the stream loses to a quarter fewer CTAs. Depends on the device only (as
 // the heuristic's count must: the merge paths are bit-identical only for equal split counts).
 int paged_decode_int8_fit_cluster_splits(const PagedDecodeInt8Params& p, int max_context);

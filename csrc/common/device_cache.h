@@ -7,7 +7,7 @@
 // limit), so each is asked once per (device, question) and remembered:
 //
 //   qops::DeviceProps props;
-//   cudaError_t err = qops::current_device_props(&props);  // sms, cc_major, cc_minor
+//   cudaError_t err = qops::current_device_props(&props);  // sms, cc_major, cc_minor, smem_per_*
 //
 //   int resident = 0;
 //   err = qops::cached_device_int(kernel_ptr, key, [&](int device, int* v) {
@@ -40,6 +40,8 @@ struct DeviceProps {
   int sms = 0;
   int cc_major = 0;
   int cc_minor = 0;
+  int smem_per_sm = 0;       // shared memory of one SM, bytes
+  int smem_per_block = 0;    // the most one CTA may opt in to, bytes
 };
 
 namespace device_cache_detail {
@@ -101,7 +103,8 @@ cudaError_t cached_device_int(const void* tag, int64_t key, Query&& query, int* 
   return device_cache_detail::lookup<int>(tag, key, std::forward<Query>(query), out);
 }
 
-// The current device's SM count and compute capability, read once per device.
+// The current device's SM count, compute capability and shared memory sizes, read once per
+// device.
 inline cudaError_t current_device_props(DeviceProps* out) {
   return device_cache_detail::lookup<DeviceProps>(
       &device_cache_detail::props_tag, 0,
@@ -112,7 +115,13 @@ inline cudaError_t current_device_props(DeviceProps* out) {
             (err = cudaDeviceGetAttribute(&p->cc_major, cudaDevAttrComputeCapabilityMajor,
                                           device)) != cudaSuccess ||
             (err = cudaDeviceGetAttribute(&p->cc_minor, cudaDevAttrComputeCapabilityMinor,
-                                          device)) != cudaSuccess)
+                                          device)) != cudaSuccess ||
+            (err = cudaDeviceGetAttribute(&p->smem_per_sm,
+                                          cudaDevAttrMaxSharedMemoryPerMultiprocessor, device)) !=
+                cudaSuccess ||
+            (err = cudaDeviceGetAttribute(&p->smem_per_block,
+                                          cudaDevAttrMaxSharedMemoryPerBlockOptin, device)) !=
+                cudaSuccess)
           return err;
         return cudaSuccess;
       },
