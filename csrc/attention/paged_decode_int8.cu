@@ -1027,19 +1027,14 @@ __global__ void __launch_bounds__(128) paged_decode_int8_reduce_kernel(const flo
 // and the call ran 4-11% slower (H100, scratch A/B at B = 8-128), where split grids gained
 // 0.1-0.9 us. `attrs` must hold 2 entries.
 template <typename T, int D, bool kTwoRows, bool kStatic, int NW, bool kCluster>
-cudaError_t split_config(const PagedDecodeInt8Params& p, dim3 grid, cudaStream_t stream,
-                         cudaLaunchConfig_t* cfg, cudaLaunchAttribute* attrs) {
+cudaError_t split_config(const PagedDecodeInt8Params& p, const DeviceProps& props, dim3 grid,
+                         cudaStream_t stream, cudaLaunchConfig_t* cfg, cudaLaunchAttribute* attrs) {
   // 8-warp CTAs (grids of at most one CTA per SM) reserve over half an SM's shared memory, so
   // that one runs per SM: with ~100 KB at D = 64 two fit, and a cluster launch (or the next call's
   // CTAs, dispatched early under PDL) then stacked two on some SMs while others idled (Nsight
   // Compute: 0 to 2 CTAs per SM). H100, same-run A/B, SmolLM2 B = 4, T = 16384: 14.9 -> 12.2 us.
   int smem = kSmemBytes<D, kTwoRows, NW, kCluster>;
-  if (NW == 8) {
-    DeviceProps props;
-    cudaError_t e = current_device_props(&props);
-    if (e != cudaSuccess) return e;
-    smem = std::max(smem, std::min(props.smem_per_block, props.smem_per_sm / 2 + 1));
-  }
+  if (NW == 8) smem = std::max(smem, std::min(props.smem_per_block, props.smem_per_sm / 2 + 1));
   auto kernel = paged_decode_int8_kernel<T, D, kTwoRows, kStatic, NW, kCluster>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
@@ -1068,19 +1063,21 @@ cudaError_t split_config(const PagedDecodeInt8Params& p, dim3 grid, cudaStream_t
 // Launches the split kernel; with max_clusters set, only reports how many clusters of the
 // cluster-merge configuration can be resident at once (0: it cannot launch) and launches nothing.
 template <typename T, int D, bool kTwoRows, bool kStatic, int NW>
-cudaError_t launch_split(const PagedDecodeInt8Params& p, dim3 grid, cudaStream_t stream,
+cudaError_t launch_split(const PagedDecodeInt8Params& p, const DeviceProps& props, dim3 grid,
+                         cudaStream_t stream,
                          int* max_clusters) {
   cudaLaunchConfig_t cfg;
   cudaLaunchAttribute attrs[2];
   if ((p.cluster_merge && p.num_splits > 1) || max_clusters != nullptr) {
     cudaError_t err =
-        split_config<T, D, kTwoRows, kStatic, NW, true>(p, grid, stream, &cfg, attrs);
+        split_config<T, D, kTwoRows, kStatic, NW, true>(p, props, grid, stream, &cfg, attrs);
     if (err != cudaSuccess) return err;
     auto kernel = paged_decode_int8_kernel<T, D, kTwoRows, kStatic, NW, true>;
     if (max_clusters != nullptr) return cudaOccupancyMaxActiveClusters(max_clusters, kernel, &cfg);
     return cudaLaunchKernelEx(&cfg, kernel, p);
   }
-  cudaError_t err = split_config<T, D, kTwoRows, kStatic, NW, false>(p, grid, stream, &cfg, attrs);
+  cudaError_t err = split_config<T, D, kTwoRows, kStatic, NW, false>(p, props, grid, stream, &cfg,
+                                                                     attrs);
   if (err != cudaSuccess) return err;
   return cudaLaunchKernelEx(&cfg, paged_decode_int8_kernel<T, D, kTwoRows, kStatic, NW, false>, p);
 }
@@ -1104,8 +1101,8 @@ cudaError_t launch(const PagedDecodeInt8Params& p, cudaStream_t stream, int* max
   if (err != cudaSuccess) return err;
   const int64_t ctas = static_cast<int64_t>(grid.x) * grid.y * grid.z;
   err = decode_warps(p.warps, ctas, props.sms) == 8
-            ? launch_split<T, D, kTwoRows, kStatic, 8>(p, grid, stream, max_clusters)
-            : launch_split<T, D, kTwoRows, kStatic, 4>(p, grid, stream, max_clusters);
+            ? launch_split<T, D, kTwoRows, kStatic, 8>(p, props, grid, stream, max_clusters)
+            : launch_split<T, D, kTwoRows, kStatic, 4>(p, props, grid, stream, max_clusters);
   if (max_clusters != nullptr) return err;
   // one split: the kernel wrote `out`; fused or cluster merge: the split kernel merged the splits
   if (err != cudaSuccess || p.num_splits == 1 || p.split_counters != nullptr || p.cluster_merge)
@@ -1156,18 +1153,16 @@ int paged_decode_int8_num_splits(int batch, int num_q_heads, int num_kv_heads, i
   // Measured on H100 (bench/bench_decode_attention.py's num_splits sweep): the best split count
   // gives about one 8-warp CTA per SM (more splits cost more than the extra parallelism brings).
   // Until the 8-warp CTAs reserved one SM each, D = 64 aimed at 3 4-warp CTAs per SM instead;
-  // one 8-warp CTA per SM measured 0.82-0.94x of that at SmolLM2 B = 4-16, T >= 4096 (1.07x at B = 4,
-  // T = 1024; docs/kv_cache.md). A
-  // batch with a CTA for half the SMs runs unsplit at either D (SmolLM2, B = 32: 96 CTAs; 25.4 us
-  // unsplit, 28.4 us at 4 splits).
-  const int64_t slots = sms;
+  // one 8-warp CTA per SM measured 0.82-0.94x of that at SmolLM2 B = 4-16, T >= 4096 (1.07x at
+  // B = 4, T = 1024; docs/kv_cache.md). A batch with a CTA for half the SMs runs unsplit at either
+  // D (SmolLM2, B = 32: 96 CTAs; 25.4 us unsplit, 28.4 us at 4 splits).
   if (2 * ctas >= sms) return 1;
-  // at most `slots` CTAs (a partial second wave of equal CTAs costs a whole CTA time), and at
+  // at most `sms` CTAs (a partial second wave of equal CTAs costs a whole CTA time), and at
   // least kMinTokensPerSplit (cluster merge: kMinTokensPerClusterSplit) tokens per split. Short
   // contexts with the cluster merge (H100, forced splits, same run): Llama-3-8B GQA B = 1,
   // T = 1024: 2 splits 6.7 us, 8 splits 5.2 us; SmolLM2 B = 1, T = 1024: 5.0 -> 3.5 us.
   const int min_tokens = cluster_merge ? kMinTokensPerClusterSplit : kMinTokensPerSplit;
-  int64_t s = slots / ctas;
+  int64_t s = sms / ctas;
   const int64_t by_len = (static_cast<int64_t>(max_context) + min_tokens - 1) / min_tokens;
   if (s > by_len) s = by_len;
   if (s > kPagedDecodeMaxSplits) s = kPagedDecodeMaxSplits;
