@@ -10,7 +10,8 @@ replays over several input sets (L2 does not hold the previous call's cache).
 `overlap_us` times the same calls with ``overlap_prologue=True``, as the quantized Llama makes
 them (right after the cache write): with programmatic dependent launch the prologue's reads
 (sequence length, block ids, query, the first K/V chunks but the last token's) overlap the
-previous kernel's tail.
+previous kernel's tail. `overlap_frac_copy_bw` is that call's effective bandwidth over the copy
+bandwidth (`frac_copy_bw` is the default call's).
 
 `write_us`, `step_us` and `step_overlap_us` time the decode step's pair as the Llama runs it: the
 cache write of each sequence's new token (``reshape_and_cache_int8`` into position L - 1) alone,
@@ -212,6 +213,7 @@ def run_config(model, B, T, copy_bw, splits_sweep=(), merge_compare=False):
         "sdpa_GBps": gbps(set_bytes_16, s_us) if s_us < float("inf") else 0.0,
         "speedup_vs_sdpa": s_us / us,
         "overlap_us": overlap_us, "overlap_vs_sdpa": s_us / overlap_us,
+        "overlap_frac_copy_bw": gbps(nbytes, overlap_us) / copy_bw,
         "write_us": write_us, "step_us": step_us, "step_overlap_us": step_overlap_us,
         "cluster_us": "", "fused_us": "", "unfused_us": "", "cluster_over_unfused": "",
         "fused_over_unfused": "",
@@ -274,6 +276,7 @@ def main():
                       f"{row['int8_GBps']:6.0f} GB/s ({100 * row['frac_copy_bw']:.0f}% copy)  "
                       f"sdpa[{row['sdpa_backend']}] {row['sdpa_us']:9.1f} us  "
                       f"x{row['speedup_vs_sdpa']:.2f}  overlapped {row['overlap_us']:.1f} us "
+                      f"({100 * row['overlap_frac_copy_bw']:.0f}% copy) "
                       f"x{row['overlap_vs_sdpa']:.2f}  step (write {row['write_us']:.1f}) "
                       f"{row['step_us']:.1f} / overlapped {row['step_overlap_us']:.1f} us{merge}",
                       flush=True)
@@ -300,8 +303,8 @@ def main():
              os.path.join(args.out, "decode_attention.png"))
     print("\n== paged_decode_attention_int8 vs SDPA (bf16 K/V)")
     print_table(rows, ["model", "B", "T", "int8_us", "int8_GBps", "frac_copy_bw", "sdpa_us",
-                       "sdpa_backend", "speedup_vs_sdpa", "overlap_us", "overlap_vs_sdpa",
-                       "write_us", "step_us", "step_overlap_us"])
+                       "sdpa_backend", "speedup_vs_sdpa", "overlap_us", "overlap_frac_copy_bw",
+                       "overlap_vs_sdpa", "write_us", "step_us", "step_overlap_us"])
     merged = [r for r in rows if r["fused_over_unfused"] != ""]
     if merged:
         print("\n== split merges: cluster (DSMEM) and fused (workspace + counters) vs split + reduce "
