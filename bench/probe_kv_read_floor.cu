@@ -200,6 +200,11 @@ int main() {
       {"SmolLM2 B8 T4096 (192 x 64K)", 192, 64 << 10, 1024},
       {"GQA B1 T4096 (72 x 114K)", 72, 114 << 10, 2048},
       {"GQA B1 T16384 (72 x 455K)", 72, 455 << 10, 2048},
+      // the same bytes over more SMs: 16 and 12 splits (the cluster merge cannot take them on an
+      // H100, so a decode call would pay a merge through memory)
+      {"GQA B1 T16384, 16 splits (128 x 256K)", 128, 256 << 10, 2048},
+      {"GQA B1 T16384, 12 splits (96 x 341K)", 96, 341 << 10, 2048},
+      {"SmolLM2 B8 T16384 (96 x 512K)", 96, 512 << 10, 1024},
       {"MHA B1 T4096 (96 x 342K)", 96, 342 << 10, 2048},
       {"GQA B8 T4096 (128 x 512K)", 128, 512 << 10, 2048},
       {"GQA B1 T4096, 8K chunks (72 x 112K)", 72, 112 << 10, 8192},

@@ -1,6 +1,7 @@
 // Probe: the fastest a kernel can *read* S bytes on this GPU, timed as the benchmarks time (a
 // CUDA graph of calls rotating over input sets that spill L2, median per call), at the weight
-// sizes of the decode GEMMs (docs/w8a8_gemm.md, "How far the floor is"). No math: each thread
+// sizes of the decode GEMMs (docs/w8a8_gemm.md, "How far the floor is") and at two decode-attention
+// K/V sizes (docs/kv_cache.md). No math: each thread
 // XORs its 16-byte loads, so the time is launch + the memory system. Reported: the best of
 // several launch shapes (grid-stride or one contiguous slice per warp, 1-16 loads in flight per
 // thread, 1-16 CTAs per SM; and bulk copies into shared memory -- cp.async.bulk, the TMA engine
@@ -167,7 +168,12 @@ int main(int argc, char** argv) {
                            {"70B-tp8.down", 8192L * 3584},  {"7B.down", 4096L * 11008},
                            {"7B.qkv", 12288L * 4096},       {"8B.down", 4096L * 14336},
                            {"70B-tp8.gate_up", 7168L * 8192}, {"7B.gate_up", 22016L * 4096},
-                           {"8B.gate_up", 28672L * 4096}};
+                           {"8B.gate_up", 28672L * 4096},
+                           // the int8 K/V of two decode-attention rows at T = 16384
+                           // (bench/bench_decode_attention.py; docs/kv_cache.md): SmolLM2 B = 1
+                           // (3 kv heads, D = 64) and Llama-3-8B B = 1 (8 kv heads, D = 128)
+                           {"KV smollm2 B1 T16384", 2L * 3 * 16384 * 64},
+                           {"KV llama3-8b B1 T16384", 2L * 8 * 16384 * 128}};
   struct Cfg { const char* name; Kern k; int per_sm; int block; int smem = 0; };
   std::vector<Cfg> cfgs = {
       {"gs4 x1 512", read_gs<4>, 1, 512},   {"gs4 x2 512", read_gs<4>, 2, 512},
