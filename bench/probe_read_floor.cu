@@ -1,8 +1,8 @@
 // Probe: the fastest a kernel can *read* S bytes on this GPU, timed as the benchmarks time (a
 // CUDA graph of calls rotating over input sets that spill L2, median per call), at the weight
 // sizes of the decode GEMMs (docs/w8a8_gemm.md, "How far the floor is") and at two decode-attention
-// K/V sizes (docs/kv_cache.md). No math: each thread
-// XORs its 16-byte loads, so the time is launch + the memory system. Reported: the best of
+// K/V sizes (docs/kv_cache.md). No math: each thread XORs its 16-byte loads, so the time is
+// launch + the memory system. Reported: the best of
 // several launch shapes (grid-stride or one contiguous slice per warp, 1-16 loads in flight per
 // thread, 1-16 CTAs per SM; and bulk copies into shared memory -- cp.async.bulk, the TMA engine
 // without a tensor map -- of one slice per CTA or of chunks dealt grid-stride), with and without
