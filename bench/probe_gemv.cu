@@ -1,0 +1,201 @@
+// Probe: the decode GEMV (csrc/gemm/w8a8_gemv.cu) timed directly, without torch, as the benchmarks
+// time (a CUDA graph of calls rotating over weight sets that spill L2, median per call), to take
+// its time apart (docs/w8a8_gemm.md, "M = 16 against M = 1"). Per Llama layer, in us and as a
+// fraction of the 1 GiB device copy (read + write):
+//   M1, M8, M16     its own shape choice at M = 1, 8, 16;
+//   M16_alias       M = 16 with all 16 activation rows at one address (lda = 0): the same
+//                   instructions, but the activation loads hit one 64-byte line per chunk, so
+//                   the difference to M16 is what the activations' traffic costs;
+//   M16_rRwWcC      M = 16 with each built shape forced (kGemvShapes: rows of N per CTA, warps,
+//                   chunks per load batch). Each is checked bit-identical to M16 first.
+//
+// Standalone (CUDA runtime only, sm_90; compiles the GEMV in):
+//   nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a -I csrc bench/probe_gemv.cu \
+//        -o /tmp/probe_gemv && /tmp/probe_gemv
+// On the lent GPU it needs no qops build: run that line in the device call.
+#include "gemm/w8a8_gemv.cu"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#define CK(x)                                                                          \
+  do {                                                                                 \
+    const cudaError_t e_ = (x);                                                        \
+    if (e_ != cudaSuccess) {                                                           \
+      printf("CUDA error %s at line %d: %s\n", #x, __LINE__, cudaGetErrorString(e_)); \
+      exit(1);                                                                         \
+    }                                                                                  \
+  } while (0)
+
+using namespace qops::w8a8_sm90;
+
+// Deterministic int8 in [-30, 30] (a hash of the index), and positive float32 scales.
+__global__ void fill_i8(int8_t* p, size_t n, unsigned seed) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+    unsigned x = static_cast<unsigned>(i) * 2654435761u ^ seed;
+    x ^= x >> 13;
+    x *= 0x5bd1e995u;
+    x ^= x >> 15;
+    p[i] = static_cast<int8_t>(static_cast<int>(x % 61) - 30);
+  }
+}
+__global__ void fill_f32(float* p, size_t n) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+    p[i] = 1e-3f * (1 + i % 7);
+}
+
+static float median(std::vector<float> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+int main() {
+  CK(cudaSetDevice(0));
+  cudaDeviceProp prop;
+  CK(cudaGetDeviceProperties(&prop, 0));
+  const int sms = prop.multiProcessorCount;
+  cudaStream_t st;
+  CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+
+  double copy_gbps;
+  {
+    const size_t bytes = 1ull << 30;
+    void *src, *dst;
+    CK(cudaMalloc(&src, bytes));
+    CK(cudaMalloc(&dst, bytes));
+    std::vector<float> t;
+    for (int i = 0; i < 12; ++i) {
+      CK(cudaEventRecord(e0, st));
+      CK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, st));
+      CK(cudaEventRecord(e1, st));
+      CK(cudaEventSynchronize(e1));
+      float ms;
+      CK(cudaEventElapsedTime(&ms, e0, e1));
+      if (i >= 2) t.push_back(ms);
+    }
+    copy_gbps = 2.0 * bytes / (median(t) * 1e-3) / 1e9;
+    CK(cudaFree(src));
+    CK(cudaFree(dst));
+  }
+  printf("%s, %d SMs, copy %.0f GB/s\n", prop.name, sms, copy_gbps);
+
+  struct Layer {
+    const char* name;
+    int n, k;
+  };
+  const Layer layers[] = {{"7B/8B.o", 4096, 4096},       {"8B.qkv", 6144, 4096},  {"70B-tp8.down", 8192, 3584},
+                          {"7B.down", 4096, 11008},      {"8B.down", 4096, 14336}, {"70B-tp8.gate_up", 7168, 8192}};
+  struct Variant {
+    std::string name;
+    int m;
+    bool alias;
+    GemvShape shape;  // {0, 0, 0}: the GEMV's own choice
+  };
+  std::vector<Variant> variants = {{"M1", 1, false, {0, 0, 0}},
+                                   {"M8", 8, false, {0, 0, 0}},
+                                   {"M16", 16, false, {0, 0, 0}},
+                                   {"M16_alias", 16, true, {0, 0, 0}}};
+  for (const GemvShape s : kGemvShapes) {
+    variants.push_back({"M16_r" + std::to_string(s.rows_per_cta) + "w" + std::to_string(s.warps) + "c" +
+                            std::to_string(s.chunks),
+                        16, false, s});
+  }
+  printf("%-16s", "layer");
+  for (const auto& v : variants) printf(" %14s", v.name.c_str());
+  printf("\n");
+
+  for (const Layer& L : layers) {
+    const size_t wbytes = static_cast<size_t>(L.n) * L.k;
+    const int sets = std::max(2, static_cast<int>((200ull << 20) / wbytes) + 1);  // > 4x L2
+    std::vector<int8_t*> w(sets), a(sets);
+    std::vector<float*> sa(sets), sb(sets);
+    std::vector<void*> d(sets);
+    for (int i = 0; i < sets; ++i) {
+      CK(cudaMalloc(&w[i], wbytes));
+      CK(cudaMalloc(&a[i], 16 * static_cast<size_t>(L.k)));
+      CK(cudaMalloc(&sa[i], 16 * sizeof(float)));
+      CK(cudaMalloc(&sb[i], L.n * sizeof(float)));
+      CK(cudaMalloc(&d[i], 16 * static_cast<size_t>(L.n) * 2));
+      fill_i8<<<1024, 256, 0, st>>>(w[i], wbytes, 17 + i);
+      fill_i8<<<64, 256, 0, st>>>(a[i], 16 * static_cast<size_t>(L.k), 99 + i);
+      fill_f32<<<1, 256, 0, st>>>(sa[i], 16);
+      fill_f32<<<64, 256, 0, st>>>(sb[i], L.n);
+      CK(cudaGetLastError());
+    }
+    CK(cudaStreamSynchronize(st));
+    const size_t out_bytes = 16 * static_cast<size_t>(L.n) * 2;
+    std::vector<char> ref(out_bytes), got(out_bytes);
+    printf("%-16s", L.name);
+    for (const auto& v : variants) {
+      const auto problem = [&](int i) {
+        Problem p{};
+        p.a = a[i];
+        p.lda = v.alias ? 0 : L.k;
+        p.b = w[i];
+        p.ldb = L.k;
+        p.a_scale = sa[i];
+        p.b_scale = sb[i];
+        p.d = d[i];
+        p.ldd = L.n;
+        p.m = v.m;
+        p.n = L.n;
+        p.k = L.k;
+        p.out_dtype = OutDtype::kBFloat16;
+        p.scale_mode = ScaleMode::kPerTokenPerChannel;
+        p.gemv_rows_per_cta = v.shape.rows_per_cta;
+        p.gemv_warps = v.shape.warps;
+        p.gemv_chunks = v.shape.chunks;
+        return p;
+      };
+      // Poisoned output, one call on set 0; M16 is the reference of the forced shapes.
+      CK(cudaMemsetAsync(d[0], 0xff, out_bytes, st));
+      CK(gemv(problem(0), sms, st, nullptr));
+      CK(cudaMemcpyAsync(got.data(), d[0], out_bytes, cudaMemcpyDeviceToHost, st));
+      CK(cudaStreamSynchronize(st));
+      if (v.name == "M16") ref = got;
+      if (v.m == 16 && !v.alias && memcmp(ref.data(), got.data(), out_bytes) != 0) {
+        printf("\n%s at %s: output differs from M16\n", v.name.c_str(), L.name);
+        return 1;
+      }
+      const int calls = std::max(sets, 200 / sets * sets);
+      cudaGraph_t graph;
+      cudaGraphExec_t exec;
+      CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+      for (int c = 0; c < calls; ++c) CK(gemv(problem(c % sets), sms, st, nullptr));
+      CK(cudaStreamEndCapture(st, &graph));
+      CK(cudaGraphInstantiate(&exec, graph, 0));
+      std::vector<float> t;
+      for (int r = 0; r < 25; ++r) {
+        CK(cudaEventRecord(e0, st));
+        CK(cudaGraphLaunch(exec, st));
+        CK(cudaEventRecord(e1, st));
+        CK(cudaEventSynchronize(e1));
+        float ms;
+        CK(cudaEventElapsedTime(&ms, e0, e1));
+        if (r >= 3) t.push_back(ms * 1e3f / calls);
+      }
+      CK(cudaGraphExecDestroy(exec));
+      CK(cudaGraphDestroy(graph));
+      const float us = median(t);
+      printf(" %7.2f (%.2f)", us, wbytes / (us * 1e-6) / 1e9 / copy_gbps);
+      fflush(stdout);
+    }
+    printf("\n");
+    for (int i = 0; i < sets; ++i) {
+      CK(cudaFree(w[i]));
+      CK(cudaFree(a[i]));
+      CK(cudaFree(sa[i]));
+      CK(cudaFree(sb[i]));
+      CK(cudaFree(d[i]));
+    }
+  }
+  CK(cudaGetLastError());
+  return 0;
+}
