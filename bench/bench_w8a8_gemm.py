@@ -292,6 +292,8 @@ def main() -> None:
         write_csv(sweep, os.path.join(args.out, "bench_w8a8_sweep.csv"))
         print("\n== tile config sweep (us per call)")
         short = {c: c.split("_c")[0] + "/" + c.split("_")[-1][:4] if "_c" in c else c for c in table.config_names()}
+        clash = {v for v in short.values() if list(short.values()).count(v) > 1}
+        short = {c: c if v in clash else v for c, v in short.items()}  # configs that differ in the cluster only
         for s in sweep:
             for c in table.config_names():
                 s[short[c]] = s.get(f"{c}_us", math.nan)
