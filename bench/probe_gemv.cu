@@ -15,21 +15,11 @@
 // On the lent GPU it needs no qops build: run that line in the device call.
 #include "gemm/w8a8_gemv.cu"
 
-#include <algorithm>
-#include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
 
-#define CK(x)                                                                          \
-  do {                                                                                 \
-    const cudaError_t e_ = (x);                                                        \
-    if (e_ != cudaSuccess) {                                                           \
-      printf("CUDA error %s at line %d: %s\n", #x, __LINE__, cudaGetErrorString(e_)); \
-      exit(1);                                                                         \
-    }                                                                                  \
-  } while (0)
+#include "probe_common.cuh"  // CK, probe_copy_gbps, probe_graph_us
 
 using namespace qops::w8a8_sm90;
 
@@ -48,11 +38,6 @@ __global__ void fill_f32(float* p, size_t n) {
     p[i] = 1e-3f * (1 + i % 7);
 }
 
-static float median(std::vector<float> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
 int main() {
   CK(cudaSetDevice(0));
   cudaDeviceProp prop;
@@ -60,30 +45,7 @@ int main() {
   const int sms = prop.multiProcessorCount;
   cudaStream_t st;
   CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
-
-  double copy_gbps;
-  {
-    const size_t bytes = 1ull << 30;
-    void *src, *dst;
-    CK(cudaMalloc(&src, bytes));
-    CK(cudaMalloc(&dst, bytes));
-    std::vector<float> t;
-    for (int i = 0; i < 12; ++i) {
-      CK(cudaEventRecord(e0, st));
-      CK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, st));
-      CK(cudaEventRecord(e1, st));
-      CK(cudaEventSynchronize(e1));
-      float ms;
-      CK(cudaEventElapsedTime(&ms, e0, e1));
-      if (i >= 2) t.push_back(ms);
-    }
-    copy_gbps = 2.0 * bytes / (median(t) * 1e-3) / 1e9;
-    CK(cudaFree(src));
-    CK(cudaFree(dst));
-  }
+  const double copy_gbps = probe_copy_gbps(st);
   printf("%s, %d SMs, copy %.0f GB/s\n", prop.name, sms, copy_gbps);
 
   struct Layer {
@@ -165,25 +127,8 @@ int main() {
         return 1;
       }
       const int calls = std::max(sets, 200 / sets * sets);
-      cudaGraph_t graph;
-      cudaGraphExec_t exec;
-      CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-      for (int c = 0; c < calls; ++c) CK(gemv(problem(c % sets), sms, st, nullptr));
-      CK(cudaStreamEndCapture(st, &graph));
-      CK(cudaGraphInstantiate(&exec, graph, 0));
-      std::vector<float> t;
-      for (int r = 0; r < 25; ++r) {
-        CK(cudaEventRecord(e0, st));
-        CK(cudaGraphLaunch(exec, st));
-        CK(cudaEventRecord(e1, st));
-        CK(cudaEventSynchronize(e1));
-        float ms;
-        CK(cudaEventElapsedTime(&ms, e0, e1));
-        if (r >= 3) t.push_back(ms * 1e3f / calls);
-      }
-      CK(cudaGraphExecDestroy(exec));
-      CK(cudaGraphDestroy(graph));
-      const float us = median(t);
+      const double us =
+          probe_graph_us(st, calls, 22, [&](int c) { CK(gemv(problem(c % sets), sms, st, nullptr)); });
       printf(" %7.2f (%.2f)", us, wbytes / (us * 1e-6) / 1e9 / copy_gbps);
       fflush(stdout);
     }

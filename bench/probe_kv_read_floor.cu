@@ -14,14 +14,9 @@
 // Standalone (CUDA runtime only, sm_90):
 //   nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a bench/probe_kv_read_floor.cu \
 //        -o /tmp/probe_kv_read_floor && /tmp/probe_kv_read_floor
-#include <cuda_runtime.h>
-#include <algorithm>
 #include <cstdint>
-#include <cstdio>
-#include <cstdlib>
-#include <vector>
-#define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { \
-  printf("CUDA error %s line %d: %s\n", #x, __LINE__, cudaGetErrorString(e_)); exit(1);} } while (0)
+
+#include "probe_common.cuh"  // CK, probe_copy_gbps, probe_graph_us
 
 __device__ __forceinline__ unsigned smem_u32(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
@@ -151,21 +146,9 @@ template <int C, int ST, int NW> Cfg bulk(const char* n) { return {n, rd_bulk<C,
 int main() {
   int sms; CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   cudaStream_t s; CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  cudaEvent_t e0, e1; CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
+  printf("copy %.0f GB/s, %d SMs\n", probe_copy_gbps(s), sms);
   const size_t bytes = 1ull << 30;
   char* buf; CK(cudaMalloc(&buf, bytes)); CK(cudaMemset(buf, 1, bytes));
-  // copy bandwidth
-  {
-    char* b2; CK(cudaMalloc(&b2, bytes / 2));
-    std::vector<float> t;
-    for (int r = 0; r < 10; ++r) {
-      CK(cudaEventRecord(e0, s)); CK(cudaMemcpyAsync(b2, buf, bytes / 2, cudaMemcpyDeviceToDevice, s));
-      CK(cudaEventRecord(e1, s)); CK(cudaEventSynchronize(e1)); float ms; CK(cudaEventElapsedTime(&ms, e0, e1)); t.push_back(ms);
-    }
-    std::sort(t.begin(), t.end());
-    printf("copy %.0f GB/s, %d SMs\n", 2.0 * (bytes / 2) / (t[5] * 1e-3) / 1e9, sms);
-    CK(cudaFree(b2));
-  }
   unsigned* out; CK(cudaMalloc(&out, 4));
   std::vector<Cfg> cfgs = {
       cp<2048, 4, 8>("cp 8w st4 C2K"),
@@ -217,25 +200,13 @@ int main() {
       if (c.C != cs.C) continue;
       const long window_chunks = (total * 4) / c.C;  // sets spill L2: windows of 4x the bytes
       const long nwin = (long)(bytes / c.C) / window_chunks;
-      const int calls = 200;
-      cudaGraph_t g; cudaGraphExec_t ge;
-      CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-      for (int i = 0; i < calls; ++i) {
+      const double us = probe_graph_us(s, 200, 15, [&](int i) {
         const long base = (i % nwin) * window_chunks;
         c.k<<<cs.ctas, c.threads, c.smem, s>>>(buf, window_chunks, base, chunks, out);
-      }
-      CK(cudaStreamEndCapture(s, &g)); CK(cudaGraphInstantiate(&ge, g, 0));
-      for (int w = 0; w < 3; ++w) CK(cudaGraphLaunch(ge, s));
-      std::vector<float> t;
-      for (int r = 0; r < 15; ++r) {
-        CK(cudaEventRecord(e0, s)); CK(cudaGraphLaunch(ge, s)); CK(cudaEventRecord(e1, s));
-        CK(cudaEventSynchronize(e1)); float ms; CK(cudaEventElapsedTime(&ms, e0, e1)); t.push_back(ms);
-      }
-      std::sort(t.begin(), t.end());
-      const double us = t[t.size() / 2] * 1e3 / calls;
+        CK(cudaGetLastError());
+      });
       printf("  %-16s %7.2f us  %6.0f GB/s  %5.1f GB/s per CTA\n", c.name, us, total / us / 1e3,
              total / us / 1e3 / cs.ctas);
-      CK(cudaGraphExecDestroy(ge)); CK(cudaGraphDestroy(g));
     }
   }
   CK(cudaGetLastError()); CK(cudaDeviceSynchronize());

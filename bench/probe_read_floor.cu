@@ -14,21 +14,10 @@
 //        -o /tmp/probe_read_floor && /tmp/probe_read_floor [-v]
 // On the lent GPU (needs no qops build): bash tools/device_run.sh -t none --no-build \
 //   -x "nvcc ... && /tmp/probe_read_floor"
-#include <cuda_runtime.h>
 #include <cstdint>
-#include <cstdio>
-#include <cstdlib>
-#include <vector>
-#include <algorithm>
 #include <string>
-#define CK(x)                                                                          \
-  do {                                                                                 \
-    const cudaError_t e_ = (x);                                                        \
-    if (e_ != cudaSuccess) {                                                           \
-      printf("CUDA error %s at line %d: %s\n", #x, __LINE__, cudaGetErrorString(e_)); \
-      exit(1);                                                                         \
-    }                                                                                  \
-  } while (0)
+
+#include "probe_common.cuh"  // CK, probe_copy_gbps, probe_graph_us
 
 __device__ __forceinline__ uint4 ld_stream(const void* p) {
   uint4 v;
@@ -145,20 +134,8 @@ int main(int argc, char** argv) {
   const bool verbose = argc > 1 && std::string(argv[1]) == "-v";
   int sms; CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   cudaStream_t s; CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  cudaEvent_t e0, e1; CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
-  // 1 GiB copy, counting read + write (as qops.bench_utils.copy_bandwidth_gbps)
-  const size_t cb = 1ull << 30;
-  void *ca, *cbuf; CK(cudaMalloc(&ca, cb)); CK(cudaMalloc(&cbuf, cb)); CK(cudaMemset(ca, 1, cb));
-  std::vector<float> ct;
-  for (int r = 0; r < 12; ++r) {
-    CK(cudaEventRecord(e0, s)); CK(cudaMemcpyAsync(cbuf, ca, cb, cudaMemcpyDeviceToDevice, s));
-    CK(cudaEventRecord(e1, s)); CK(cudaEventSynchronize(e1));
-    float ms; CK(cudaEventElapsedTime(&ms, e0, e1)); ct.push_back(ms);
-  }
-  std::sort(ct.begin(), ct.end());
-  const double copy_gbps = 2.0 * cb / (ct[ct.size() / 2] * 1e-3) / 1e9;
+  const double copy_gbps = probe_copy_gbps(s);
   printf("copy 1 GiB: %.0f GB/s, SMs %d\n", copy_gbps, sms);
-  CK(cudaFree(ca)); CK(cudaFree(cbuf));
   unsigned* out; CK(cudaMalloc(&out, 4));
 
   struct Sz { const char* name; long bytes; };
@@ -211,30 +188,15 @@ int main(int argc, char** argv) {
       for (const Cfg& c : cfgs) {
         // graph: calls rotating over the sets, ~1 ms per replay
         const int calls = std::max(nsets, (int)(1000.0 / (z.bytes / copy_gbps / 1e3 + 2.0)));
-        cudaGraph_t g; cudaGraphExec_t ge;
-        CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-        for (int i = 0; i < calls; ++i) {
+        const double us = probe_graph_us(s, calls, 25, [&](int i) {
           launch(c.k, c.per_sm * sms, c.block, c.smem, bufs[i % nsets], n, out, pdl, s);
-        }
-        CK(cudaStreamEndCapture(s, &g)); CK(cudaGraphInstantiate(&ge, g, 0));
-        for (int w = 0; w < 3; ++w) CK(cudaGraphLaunch(ge, s));
-        std::vector<float> t;
-        for (int r = 0; r < 25; ++r) {
-          CK(cudaEventRecord(e0, s)); CK(cudaGraphLaunch(ge, s)); CK(cudaEventRecord(e1, s));
-          CK(cudaEventSynchronize(e1));
-          float ms;
-          CK(cudaEventElapsedTime(&ms, e0, e1));
-          t.push_back(ms);
-        }
-        std::sort(t.begin(), t.end());
-        const double us = t[t.size() / 2] * 1e3 / calls;
+        });
         const double frac = z.bytes / (us * 1e-6) / 1e9 / copy_gbps;
         if (verbose) {
           printf("  %-15s %6.2f MB  %-12s pdl=%d  %7.2f us  %.3f of copy\n", z.name, z.bytes / 1e6,
                  c.name, pdl, us, frac);
         }
         if (us < best) { best = us; bestn = c.name; best_pdl = pdl; }
-        CK(cudaGraphExecDestroy(ge)); CK(cudaGraphDestroy(g));
       }
     }
     printf("%-15s %7.2f MB  floor %7.2f us  %.3f of copy  (%s%s)\n", z.name, z.bytes / 1e6, best,
