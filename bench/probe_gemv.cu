@@ -3,6 +3,11 @@
 // its time apart (docs/w8a8_gemm.md, "M = 16 against M = 1"). Per Llama layer, in us and as a
 // fraction of the 1 GiB device copy (read + write):
 //   M1, M8, M16     its own shape choice at M = 1, 8, 16;
+//   M1_ovl, ...     the same under overlap_prologue (the previous call does not write the
+//                   weights: it is the GEMV of another weight set), with its own choice of
+//                   weight batches requested before the PDL wait;
+//   M1_ovl_e1, ...  the same with that forced to 1 batch at M <= 8 and 0 at M = 16 (the choice
+//                   before early_batches counted waves), to A/B the two in one run;
 //   M16_alias       M = 16 with all 16 activation rows at one address (lda = 0): the same
 //                   instructions, but the activation loads hit one 64-byte line per chunk, so
 //                   the difference to M16 is what the activations' traffic costs;
@@ -59,11 +64,17 @@ int main() {
     int m;
     bool alias;
     GemvShape shape;  // {0, 0, 0}: the GEMV's own choice
+    bool overlap = false;
+    int force_early = 0;  // Problem::gemv_force_early
   };
-  std::vector<Variant> variants = {{"M1", 1, false, {0, 0, 0}},
-                                   {"M8", 8, false, {0, 0, 0}},
-                                   {"M16", 16, false, {0, 0, 0}},
-                                   {"M16_alias", 16, true, {0, 0, 0}}};
+  std::vector<Variant> variants;
+  for (const int m : {1, 8, 16}) {
+    const std::string name = "M" + std::to_string(m);
+    variants.push_back({name, m, false, {0, 0, 0}});
+    variants.push_back({name + "_ovl_e" + (m > 8 ? "0" : "1"), m, false, {0, 0, 0}, true, m > 8 ? 1 : 2});
+    variants.push_back({name + "_ovl", m, false, {0, 0, 0}, true, 0});
+  }
+  variants.push_back({"M16_alias", 16, true, {0, 0, 0}});
   for (const GemvShape s : kGemvShapes) {
     variants.push_back({"M16_r" + std::to_string(s.rows_per_cta) + "w" + std::to_string(s.warps) + "c" +
                             std::to_string(s.chunks),
@@ -93,7 +104,7 @@ int main() {
     }
     CK(cudaStreamSynchronize(st));
     const size_t out_bytes = 16 * static_cast<size_t>(L.n) * 2;
-    std::vector<char> ref(out_bytes), got(out_bytes);
+    std::vector<char> ref(out_bytes), got(out_bytes), ref_m(out_bytes);
     printf("%-16s", L.name);
     for (const auto& v : variants) {
       const auto problem = [&](int i) {
@@ -114,6 +125,8 @@ int main() {
         p.gemv_rows_per_cta = v.shape.rows_per_cta;
         p.gemv_warps = v.shape.warps;
         p.gemv_chunks = v.shape.chunks;
+        p.gemv_overlap_prologue = v.overlap;
+        p.gemv_force_early = v.force_early;
         return p;
       };
       // Poisoned output, one call on set 0; M16 is the reference of the forced shapes.
@@ -122,8 +135,12 @@ int main() {
       CK(cudaMemcpyAsync(got.data(), d[0], out_bytes, cudaMemcpyDeviceToHost, st));
       CK(cudaStreamSynchronize(st));
       if (v.name == "M16") ref = got;
-      if (v.m == 16 && !v.alias && memcmp(ref.data(), got.data(), out_bytes) != 0) {
-        printf("\n%s at %s: output differs from M16\n", v.name.c_str(), L.name);
+      if (!v.overlap && v.shape.rows_per_cta == 0 && !v.alias) ref_m = got;  // M1, M8, M16
+      const size_t cmp = static_cast<size_t>(v.m) * L.n * 2;  // bf16 rows written
+      const bool same = v.overlap ? memcmp(ref_m.data(), got.data(), cmp) == 0
+                                  : !(v.m == 16 && !v.alias) || memcmp(ref.data(), got.data(), out_bytes) == 0;
+      if (!same) {
+        printf("\n%s at %s: output differs from M%d\n", v.name.c_str(), L.name, v.m);
         return 1;
       }
       const int calls = std::max(sets, 200 / sets * sets);

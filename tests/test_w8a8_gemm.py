@@ -290,9 +290,15 @@ def test_gemv_every_launch_shape(problem, launch, dtype, monkeypatch):
     d = run_and_check(a, b, sa, sb, dtype, bz, config="gemv")
     # exact int32 sums and the reference's float32 steps, each rounded: the reference's bits
     assert torch.equal(d, qops.gemm._w8a8_gemm_ref(a, b, sa, sb, dtype, bz))
-    # the build that loads its first weights before the PDL wait: the same bits
-    poison_cuda_allocator()
-    assert torch.equal(qops.w8a8_gemm(a, b, sa, sb, dtype, bz, config="gemv", overlap_prologue=True), d)
+    # the builds that request weight batches before the PDL wait (overlap_prologue): its own
+    # choice, then 0, 1 and 2 batches forced (clamped to what the build has): the same bits
+    for early in (None, "0", "1", "2"):
+        if early is None:
+            monkeypatch.delenv("QOPS_GEMV_EARLY", raising=False)
+        else:
+            monkeypatch.setenv("QOPS_GEMV_EARLY", early)
+        poison_cuda_allocator()
+        assert torch.equal(qops.w8a8_gemm(a, b, sa, sb, dtype, bz, config="gemv", overlap_prologue=True), d), early
 
 
 @pytest.mark.gpu
@@ -331,15 +337,21 @@ def test_gemv_bias_at_odd_element(launch, dtype, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [4, 16])
+@pytest.mark.parametrize("early", [None, "2"], ids=["own", "r8w4c4_early2"])
 @pytest.mark.parametrize("overlap", [False, True], ids=["", "overlap"])
 @pytest.mark.parametrize("pdl", ["1", "0"], ids=["pdl", "no_pdl"])
-def test_gemv_reads_what_the_previous_kernel_wrote(pdl, overlap, m, monkeypatch):
+def test_gemv_reads_what_the_previous_kernel_wrote(pdl, overlap, early, m, monkeypatch):
     """Programmatic dependent launch lets the GEMV launch before the previous kernel ends: it must
     still read the activations and scales that kernel writes (eager and in a CUDA graph), also
-    when it reads its first weights before the wait (overlap_prologue: the producers do not
-    write the weights; M <= 8), and at M > 8, where the flag keeps the plain build."""
+    when it requests weight batches before the wait (overlap_prologue: the producers do not
+    write the weights). `early`: the own shape (8 chunks per batch at N = K = 4096, so no early
+    batch at M = 16), or the 8-row, 4-warp, 4-chunk shape with as many early batches as its
+    build has (2 at M = 4, 1 at M = 16)."""
     needs_w8a8_gemm()
     monkeypatch.setenv("QOPS_PDL", pdl)
+    if early is not None:
+        monkeypatch.setenv("QOPS_GEMV_SHAPE", "8,4,4")
+        monkeypatch.setenv("QOPS_GEMV_EARLY", early)
     n, k = 4096, 4096
     a_buf = torch.zeros(m, k, dtype=torch.int8, device="cuda")
     sa_buf = torch.zeros(m, device="cuda")
@@ -386,6 +398,11 @@ def test_gemv_errors(monkeypatch):
         with pytest.raises(ValueError, match="QOPS_GEMV_SHAPE must be ROWS,WARPS,CHUNKS, one of "
                                              "8,4,4 8,8,4 16,8,2 8,4,8 8,8,8; got"):
             qops.w8a8_gemm(a[:4], b, sa[:4], sb, torch.float16, config="gemv")
+    monkeypatch.delenv("QOPS_GEMV_SHAPE")
+    for bad in ("3", "-1", "12", "x"):
+        monkeypatch.setenv("QOPS_GEMV_EARLY", bad)
+        with pytest.raises(ValueError, match="QOPS_GEMV_EARLY must be 0, 1 or 2; got"):
+            qops.w8a8_gemm(a[:4], b, sa[:4], sb, torch.float16, config="gemv", overlap_prologue=True)
 
 
 @pytest.mark.gpu

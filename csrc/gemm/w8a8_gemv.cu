@@ -48,7 +48,7 @@ struct Params {
   int64_t ldd;
   int m, n, k;
   bool per_tensor;
-  bool overlap_prologue;  // the first weight batch is loaded before the PDL wait (kEarly)
+  bool overlap_prologue;  // the caller's promise that the previous kernel does not write b
 };
 
 // 16 bytes of global memory, or zeros when !pred (then `ptr` is not read; `safe` is any readable
@@ -173,9 +173,27 @@ __device__ __forceinline__ int fresh_tid_x() {
   return t;
 }
 
+// The most weight batches a build of U chunks x J row groups per batch requests before the PDL
+// wait (kEarly; see launch_variant): up to two, holding at most 8 of a lane's 16-byte loads
+// (32 registers) across the wait at M <= 8 and 4 at M > 8, where the activation rows g + 8 take
+// registers too. Past those caps the early loads were slower at the same residency (H100,
+// docs/w8a8_gemm.md): at M <= 8 two 8-chunk batches took 7B / 8B o from 6.6 to 7.6 us; at
+// M > 8 one 8-chunk batch was never faster and took 70B-tp8 down from 13.3 to 14.8 us.
+constexpr int max_early_batches(bool m16, int chunks, int row_groups) {
+  const int loads = chunks * row_groups, cap = m16 ? 4 : 8;
+  return loads * 2 <= cap ? 2 : loads <= cap ? 1 : 0;
+}
+
+// The waves a grid of `ctas` CTAs takes at `per_sm` resident CTAs on each of `sms` SMs.
+int64_t waves(int64_t ctas, int per_sm, int sms) {
+  const int64_t slots = static_cast<int64_t>(per_sm) * sms;
+  return (ctas + slots - 1) / slots;
+}
+
 // J row groups of 8 per CTA, U chunks per load batch, kWarps warps (K slices) per CTA, kM16:
-// M > 8 (activation rows 8..15 read). One CTA per 8 * J rows of N.
-template <int J, int U, int kWarps, bool kM16, typename OutT, bool kEarly>
+// M > 8 (activation rows 8..15 read), kEarly: weight batches requested before the PDL wait.
+// One CTA per 8 * J rows of N.
+template <int J, int U, int kWarps, bool kM16, typename OutT, int kEarly>
 __global__ void __launch_bounds__(kWarps * 32) w8a8_gemv_kernel(const Params p) {
   constexpr int kThreads = kWarps * 32;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -225,15 +243,19 @@ __global__ void __launch_bounds__(kWarps * 32) w8a8_gemv_kernel(const Params p) 
     }
   };
 
-  // kEarly (the caller's overlap_prologue, with PDL): the previous kernel in the stream does not
-  // write the weights, so the first batch is requested before the wait below, and its round trip
-  // runs while that kernel finishes.
-  uint4 w_first[kEarly ? U : 1][J];
-  if constexpr (kEarly) {
+  // kEarly > 0 (the caller's overlap_prologue, with PDL): the previous kernel in the stream does
+  // not write the weights, so this warp's first kEarly batches are requested before the wait
+  // below, and their round trip runs while that kernel finishes. (Batches past the warp's slice
+  // are skipped: a warp-uniform branch.)
+  uint4 w_early[kEarly > 0 ? kEarly : 1][U][J];
 #pragma unroll
-    for (int u = 0; u < U; ++u)
+  for (int e = 0; e < kEarly; ++e) {
+    if (e == 0 || c0 + e * U < c1) {
 #pragma unroll
-      for (int j = 0; j < J; ++j) w_first[u][j] = load_w(c0, u, j);
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int j = 0; j < J; ++j) w_early[e][u][j] = load_w(c0 + e * U, u, j);
+    }
   }
 
   // Programmatic dependent launch (when the launch allows it, see launch_variant): the next
@@ -261,12 +283,13 @@ __global__ void __launch_bounds__(kWarps * 32) w8a8_gemv_kernel(const Params p) 
   }
 
   int c = c0;
-  if constexpr (kEarly) {
+#pragma unroll
+  for (int e = 0; e < kEarly; ++e) {
     if (c < c1) {
       uint4 x[U], y[U];
 #pragma unroll
       for (int u = 0; u < U; ++u) load_x(c, u, x[u], y[u]);
-      mma_batch(x, y, w_first);
+      mma_batch(x, y, w_early[e]);
       c += U;
     }
   }
@@ -313,24 +336,27 @@ __global__ void __launch_bounds__(kWarps * 32) w8a8_gemv_kernel(const Params p) 
 // pdl: launch with programmatic stream serialization (sm_90): the kernel's CTAs may launch
 // while the previous kernel in the stream finishes; they wait for it (griddepcontrol.wait)
 // before reading anything. Inside a CUDA graph this becomes a programmatic edge.
+// early: the weight batches each warp requests before that wait (the kEarly build), only where
+// the caller promised that the previous kernel does not write them (p.overlap_prologue) and the
+// launch uses PDL; clamped to max_early_batches. gemv() picks it (early_batches).
 // With `resident` set, reports the build's resident CTAs per SM (the occupancy API: registers,
 // shared memory, threads) instead of launching.
-// The kEarly build (first weights before the wait) runs where the caller promised it
-// (p.overlap_prologue), the launch uses PDL and M <= 8. (At M > 8 the early batch's registers,
-// live across the wait and the staged epilogue's setup, cost resident CTAs that gemv_shape
-// counted on: 70B-tp8 gate_up at M = 16 took 22.0 -> 28.1 us, H100. At M = 1 it was the same or
-// faster at every Llama layer: docs/w8a8_gemm.md.) The residency asked is the plain build's.
 template <int J, int U, int kWarps, bool kM16, typename OutT>
-cudaError_t launch_variant(const Params& p, bool pdl, cudaStream_t stream, int* resident) {
-  const auto kernel = w8a8_gemv_kernel<J, U, kWarps, kM16, OutT, false>;
+cudaError_t launch_variant(const Params& p, bool pdl, int early, cudaStream_t stream,
+                           int* resident) {
+  constexpr int kMaxEarly = max_early_batches(kM16, U, J);
+  const int e = early < kMaxEarly ? early : kMaxEarly;
+  auto kernel = w8a8_gemv_kernel<J, U, kWarps, kM16, OutT, 0>;
+  if constexpr (kMaxEarly >= 1) {
+    if (e == 1) kernel = w8a8_gemv_kernel<J, U, kWarps, kM16, OutT, 1>;
+  }
+  if constexpr (kMaxEarly >= 2) {
+    if (e == 2) kernel = w8a8_gemv_kernel<J, U, kWarps, kM16, OutT, 2>;
+  }
   if (resident != nullptr) {
     return cudaOccupancyMaxActiveBlocksPerMultiprocessor(resident, kernel, kWarps * 32, 0);
   }
   const dim3 grid((p.n + 8 * J - 1) / (8 * J)), block(kWarps * 32);
-  if (!kM16 && pdl && p.overlap_prologue) {
-    return launch_kernel(w8a8_gemv_kernel<J, U, kWarps, false, OutT, true>, grid, block, stream,
-                         pdl, p);
-  }
   return launch_kernel(kernel, grid, block, stream, pdl, p);
 }
 
@@ -338,51 +364,72 @@ cudaError_t launch_variant(const Params& p, bool pdl, cudaStream_t stream, int* 
 // chooses): 8 rows x 4 or 8 warps with 4 or 8 chunks per load batch, and 16 rows x 8 warps with 2
 // chunks per batch (each activation load serves two row groups).
 template <bool kM16, typename OutT>
-cudaError_t launch_shape(const Params& p, GemvShape s, bool pdl, cudaStream_t stream,
-                         int* resident = nullptr) {
+cudaError_t launch_shape(const Params& p, GemvShape s, bool pdl, int early, cudaStream_t stream,
+                         int* resident) {
   const auto is = [&](int rows, int warps, int chunks) {
     return s.rows_per_cta == rows && s.warps == warps && s.chunks == chunks;
   };
-  if (is(8, 4, 4)) return launch_variant<1, 4, 4, kM16, OutT>(p, pdl, stream, resident);
-  if (is(8, 8, 4)) return launch_variant<1, 4, 8, kM16, OutT>(p, pdl, stream, resident);
-  if (is(16, 8, 2)) return launch_variant<2, 2, 8, kM16, OutT>(p, pdl, stream, resident);
-  if (is(8, 4, 8)) return launch_variant<1, 8, 4, kM16, OutT>(p, pdl, stream, resident);
-  if (is(8, 8, 8)) return launch_variant<1, 8, 8, kM16, OutT>(p, pdl, stream, resident);
+  if (is(8, 4, 4)) return launch_variant<1, 4, 4, kM16, OutT>(p, pdl, early, stream, resident);
+  if (is(8, 8, 4)) return launch_variant<1, 4, 8, kM16, OutT>(p, pdl, early, stream, resident);
+  if (is(16, 8, 2)) return launch_variant<2, 2, 8, kM16, OutT>(p, pdl, early, stream, resident);
+  if (is(8, 4, 8)) return launch_variant<1, 8, 4, kM16, OutT>(p, pdl, early, stream, resident);
+  if (is(8, 8, 8)) return launch_variant<1, 8, 8, kM16, OutT>(p, pdl, early, stream, resident);
   return cudaErrorInvalidValue;  // not in kGemvShapes
 }
 
 // launch_shape for the build of this M (> 8 or not) and output dtype.
-cudaError_t launch_build(const Params& p, GemvShape s, bool m16, bool fp16, bool pdl,
+cudaError_t launch_build(const Params& p, GemvShape s, bool m16, bool fp16, bool pdl, int early,
                          cudaStream_t stream, int* resident = nullptr) {
   if (fp16) {
-    return m16 ? launch_shape<true, __half>(p, s, pdl, stream, resident)
-               : launch_shape<false, __half>(p, s, pdl, stream, resident);
+    return m16 ? launch_shape<true, __half>(p, s, pdl, early, stream, resident)
+               : launch_shape<false, __half>(p, s, pdl, early, stream, resident);
   }
-  return m16 ? launch_shape<true, __nv_bfloat16>(p, s, pdl, stream, resident)
-             : launch_shape<false, __nv_bfloat16>(p, s, pdl, stream, resident);
+  return m16 ? launch_shape<true, __nv_bfloat16>(p, s, pdl, early, stream, resident)
+             : launch_shape<false, __nv_bfloat16>(p, s, pdl, early, stream, resident);
 }
 
-// Resident CTAs per SM of the 8-row, 4-warp builds with 4 and 8 chunks per batch, for this M
-// (<= 8 or not) and output dtype on the current device: what gemv_shape needs to count waves.
-// The occupancy API is asked once per (device, build) (common/device_cache.h); {0, 0} (unknown:
-// gemv_shape keeps its plain rule) if it fails.
-struct Resident {
-  int c4 = 0, c8 = 0;
-};
-Resident resident_8x4(bool m16, bool fp16) {
+// Resident CTAs per SM of shape s's build for this M (<= 8 or not), output dtype and early
+// batches, on the current device (the occupancy API, asked once per device and build:
+// common/device_cache.h); 0 if the query fails.
+int resident_ctas(GemvShape s, bool m16, bool fp16, int early) {
   static const int tag = 0;  // this function's questions in the device cache
-  int r[2];
-  for (int i = 0; i < 2; ++i) {
-    const int chunks = i == 0 ? 4 : 8;
-    const cudaError_t err = cached_device_int(
-        &tag, (m16 * 2 + fp16) * 16 + chunks,
-        [&](int, int* v) {
-          return launch_build(Params{}, GemvShape{8, 4, chunks}, m16, fp16, false, nullptr, v);
-        },
-        &r[i]);
-    if (err != cudaSuccess || r[i] <= 0) return {};
+  int shape = 0;
+  while (shape < static_cast<int>(sizeof(kGemvShapes) / sizeof(kGemvShapes[0])) &&
+         !(kGemvShapes[shape].rows_per_cta == s.rows_per_cta &&
+           kGemvShapes[shape].warps == s.warps && kGemvShapes[shape].chunks == s.chunks)) {
+    ++shape;
   }
-  return {r[0], r[1]};
+  int r = 0;
+  const cudaError_t err = cached_device_int(
+      &tag, ((shape * 2 + m16) * 2 + fp16) * 4 + early,
+      [&](int, int* v) { return launch_build(Params{}, s, m16, fp16, false, early, nullptr, v); },
+      &r);
+  return err == cudaSuccess && r > 0 ? r : 0;
+}
+
+// The weight batches each warp requests before the PDL wait under the caller's promise
+// (overlap_prologue): the most the build has (max_early_batches) whose grid takes no more waves
+// than the plain build's. Each early batch holds U x J x 16 bytes of registers per lane across
+// the wait; where that costs a resident CTA per SM and the grid then spills into another wave,
+// the early start loses more than it gains (H100, interleaved graph replays, docs/w8a8_gemm.md):
+//   M <= 8, two batches: 8B qkv (768 CTAs, one wave at 6 or 8 per SM) 10.0 -> 9.3 us at M = 1;
+//     7B down, where 3 per SM instead of 4 make two waves, 17.2 -> 20.0 us;
+//   M = 16, one batch of 4 chunks: 8B qkv 10.9 -> 10.3 us (one wave at 6 or 7 per SM); 70B-tp8
+//     gate_up, where 6 per SM instead of 7 make two waves, 22.0 -> 27.5 us.
+// `force` > 0 (QOPS_GEMV_EARLY, tests) takes force - 1 batches instead, clamped to the build's.
+int early_batches(const Problem& pr, GemvShape s, bool m16, bool fp16, int sm_count) {
+  const int most = max_early_batches(m16, s.chunks, s.rows_per_cta / 8);
+  if (pr.gemv_force_early > 0) return pr.gemv_force_early - 1 < most ? pr.gemv_force_early - 1 : most;
+  const int plain = resident_ctas(s, m16, fp16, 0);
+  if (plain == 0 || sm_count <= 0) return m16 ? 0 : 1;  // unknown: the rule before waves were counted
+  const int64_t ctas = (pr.n + s.rows_per_cta - 1) / s.rows_per_cta;
+  int early = 0;
+  for (int e = 1; e <= most; ++e) {
+    const int r = resident_ctas(s, m16, fp16, e);
+    if (r == 0 || waves(ctas, r, sm_count) > waves(ctas, plain, sm_count)) break;
+    early = e;
+  }
+  return early;
 }
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
@@ -409,11 +456,8 @@ GemvShape gemv_shape(int m, int n, int k, int sm_count, int resident_c4, int res
   if (n / 8 < 2 * sm_count || (m <= 8 && k >= 8192)) return GemvShape{8, 8, chunks};
   if (chunks == 4 && short_k && resident_c4 > 0 && resident_c8 > 0) {
     const int64_t ctas = (n + 7) / 8;
-    const auto waves = [&](int per_sm) {
-      const int64_t slots = static_cast<int64_t>(per_sm) * sm_count;
-      return (ctas + slots - 1) / slots;
-    };
-    if (waves(resident_c4) > 1 && waves(resident_c8) <= waves(resident_c4)) chunks = 8;
+    const int64_t w4 = waves(ctas, resident_c4, sm_count);
+    if (w4 > 1 && waves(ctas, resident_c8, sm_count) <= w4) chunks = 8;
   }
   return GemvShape{8, 4, chunks};
 }
@@ -431,13 +475,15 @@ cudaError_t gemv(const Problem& pr, int sm_count, cudaStream_t stream, size_t* w
   const bool m16 = pr.m > 8, fp16 = pr.out_dtype == OutDtype::kFloat16;
   GemvShape s{pr.gemv_rows_per_cta, pr.gemv_warps, pr.gemv_chunks};
   if (s.rows_per_cta == 0) {
-    const Resident r = resident_8x4(m16, fp16);
-    s = gemv_shape(pr.m, pr.n, pr.k, sm_count, r.c4, r.c8);
+    s = gemv_shape(pr.m, pr.n, pr.k, sm_count, resident_ctas(GemvShape{8, 4, 4}, m16, fp16, 0),
+                   resident_ctas(GemvShape{8, 4, 8}, m16, fp16, 0));
   }
   const Params p{pr.a,       pr.lda,   pr.b,   pr.ldb, pr.a_scale, pr.b_scale,
                  pr.bias,    pr.d,     pr.ldd, pr.m,   pr.n,       pr.k,
                  pr.scale_mode == ScaleMode::kPerTensor, pr.gemv_overlap_prologue};
-  return launch_build(p, s, m16, fp16, !pr.gemv_no_pdl, stream);
+  const bool pdl = !pr.gemv_no_pdl;
+  const int early = pdl && pr.gemv_overlap_prologue ? early_batches(pr, s, m16, fp16, sm_count) : 0;
+  return launch_build(p, s, m16, fp16, pdl, early, stream);
 }
 
 }  // namespace w8a8_sm90

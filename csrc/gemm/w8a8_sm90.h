@@ -46,9 +46,12 @@ struct Problem {
   int gemv_chunks;
   // The GEMV launches with programmatic dependent launch (sm_90) unless this is set.
   bool gemv_no_pdl;
-  // The previous kernel in the stream does not write `b`: with PDL the GEMV (M <= 8) requests its
-  // first weights before it waits for that kernel (w8a8_gemm's overlap_prologue).
+  // The previous kernel in the stream does not write `b`: with PDL the GEMV requests its first
+  // weight batches before it waits for that kernel (w8a8_gemm's overlap_prologue), as many as
+  // its build has and its grid affords (gemm/w8a8_gemv.cu early_batches).
   bool gemv_overlap_prologue;
+  // Tests: d + 1 forces d such batches (clamped to the build's; QOPS_GEMV_EARLY); 0 = own choice.
+  int gemv_force_early;
 };
 
 // The configs, by name (w8a8_configs.config_names(): the generated tile configs, then the

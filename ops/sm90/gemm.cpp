@@ -73,10 +73,18 @@ int config_index(c10::string_view config) {
 
 // QOPS_GEMV_SHAPE="ROWS,WARPS,CHUNKS" forces the decode GEMV's launch shape, one of
 // w8a8::kGemvShapes (tests and sweeps cover every built shape this way; read on every call,
-// ~0.1 us). Unset: the GEMV's own choice. QOPS_PDL=0 launches it without programmatic dependent
-// launch (qops_glue::pdl_enabled).
+// ~0.1 us). Unset: the GEMV's own choice. QOPS_GEMV_EARLY=0|1|2 forces the weight batches it
+// requests before the PDL wait under overlap_prologue (clamped to what the build has:
+// max_early_batches in gemm/w8a8_gemv.cu). QOPS_PDL=0 launches it without
+// programmatic dependent launch (qops_glue::pdl_enabled).
 void gemv_override(w8a8::Problem* p) {
   p->gemv_no_pdl = !pdl_enabled();
+  const char* e = std::getenv("QOPS_GEMV_EARLY");
+  if (e != nullptr && *e != '\0') {
+    QOPS_CHECK_VALUE((e[0] == '0' || e[0] == '1' || e[0] == '2') && e[1] == '\0', kOp,
+                     "QOPS_GEMV_EARLY must be 0, 1 or 2; got '", e, "'");
+    p->gemv_force_early = e[0] - '0' + 1;
+  }
   const char* v = std::getenv("QOPS_GEMV_SHAPE");
   if (v == nullptr || *v == '\0') return;
   int rows = 0, warps = 0, chunks = 0;
