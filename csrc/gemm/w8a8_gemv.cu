@@ -48,7 +48,6 @@ struct Params {
   int64_t ldd;
   int m, n, k;
   bool per_tensor;
-  bool overlap_prologue;  // the caller's promise that the previous kernel does not write b
 };
 
 // 16 bytes of global memory, or zeros when !pred (then `ptr` is not read; `safe` is any readable
@@ -337,7 +336,7 @@ __global__ void __launch_bounds__(kWarps * 32) w8a8_gemv_kernel(const Params p) 
 // while the previous kernel in the stream finishes; they wait for it (griddepcontrol.wait)
 // before reading anything. Inside a CUDA graph this becomes a programmatic edge.
 // early: the weight batches each warp requests before that wait (the kEarly build), only where
-// the caller promised that the previous kernel does not write them (p.overlap_prologue) and the
+// the caller promised that the previous kernel does not write them (overlap_prologue) and the
 // launch uses PDL; clamped to max_early_batches. gemv() picks it (early_batches).
 // With `resident` set, reports the build's resident CTAs per SM (the occupancy API: registers,
 // shared memory, threads) instead of launching.
@@ -393,15 +392,11 @@ cudaError_t launch_build(const Params& p, GemvShape s, bool m16, bool fp16, bool
 // common/device_cache.h); 0 if the query fails.
 int resident_ctas(GemvShape s, bool m16, bool fp16, int early) {
   static const int tag = 0;  // this function's questions in the device cache
-  int shape = 0;
-  while (shape < static_cast<int>(sizeof(kGemvShapes) / sizeof(kGemvShapes[0])) &&
-         !(kGemvShapes[shape].rows_per_cta == s.rows_per_cta &&
-           kGemvShapes[shape].warps == s.warps && kGemvShapes[shape].chunks == s.chunks)) {
-    ++shape;
-  }
+  const int64_t key =
+      ((((int64_t{s.rows_per_cta} * 64 + s.warps) * 64 + s.chunks) * 2 + m16) * 2 + fp16) * 4 + early;
   int r = 0;
   const cudaError_t err = cached_device_int(
-      &tag, ((shape * 2 + m16) * 2 + fp16) * 4 + early,
+      &tag, key,
       [&](int, int* v) { return launch_build(Params{}, s, m16, fp16, false, early, nullptr, v); },
       &r);
   return err == cudaSuccess && r > 0 ? r : 0;
@@ -416,7 +411,7 @@ int resident_ctas(GemvShape s, bool m16, bool fp16, int early) {
 //     7B down, where 3 per SM instead of 4 make two waves, 17.2 -> 20.0 us;
 //   M = 16, one batch of 4 chunks: 8B qkv 10.9 -> 10.3 us (one wave at 6 or 7 per SM); 70B-tp8
 //     gate_up, where 6 per SM instead of 7 make two waves, 22.0 -> 27.5 us.
-// `force` > 0 (QOPS_GEMV_EARLY, tests) takes force - 1 batches instead, clamped to the build's.
+// pr.gemv_force_early > 0 (QOPS_GEMV_EARLY, tests) takes that minus 1 instead, clamped to the build's.
 int early_batches(const Problem& pr, GemvShape s, bool m16, bool fp16, int sm_count) {
   const int most = max_early_batches(m16, s.chunks, s.rows_per_cta / 8);
   if (pr.gemv_force_early > 0) return pr.gemv_force_early - 1 < most ? pr.gemv_force_early - 1 : most;
@@ -480,7 +475,7 @@ cudaError_t gemv(const Problem& pr, int sm_count, cudaStream_t stream, size_t* w
   }
   const Params p{pr.a,       pr.lda,   pr.b,   pr.ldb, pr.a_scale, pr.b_scale,
                  pr.bias,    pr.d,     pr.ldd, pr.m,   pr.n,       pr.k,
-                 pr.scale_mode == ScaleMode::kPerTensor, pr.gemv_overlap_prologue};
+                 pr.scale_mode == ScaleMode::kPerTensor};
   const bool pdl = !pr.gemv_no_pdl;
   const int early = pdl && pr.gemv_overlap_prologue ? early_batches(pr, s, m16, fp16, sm_count) : 0;
   return launch_build(p, s, m16, fp16, pdl, early, stream);
