@@ -48,6 +48,9 @@ struct Params {
   int64_t ldd;
   int m, n, k;
   bool per_tensor;
+  // Always 0. The kernel masks with it where it needs a data dependency that ptxas cannot see
+  // through (kWholeBatch); a constant 0 would be folded away.
+  int zero = 0;
 };
 
 // 16 bytes of global memory, or zeros when !pred (then `ptr` is not read; `safe` is any readable
@@ -231,7 +234,29 @@ __global__ void __launch_bounds__(kWarps * 32) w8a8_gemv_kernel(const Params p) 
     const bool ok = c + u < c1 && kb + 16 * q < p.k;
     return load_stream(brow[j] + kb, p.b, ok && brow_ok[j]);
   };
-  auto mma_batch = [&](const uint4 (&x)[U], const uint4 (&y)[U], const uint4 (&w)[U][J]) {
+  // kWholeBatch: every weight load of a main-loop batch is issued before its first MMA. Left to
+  // itself, ptxas issues 5-7 of an 8-load batch, then the first MMAs (which wait for the first
+  // load to land), then the rest: those pay a second round trip. Adding (OR of the batch's
+  // weights) & p.zero, i.e. 0, to the accumulator makes the first MMA depend on every load, so
+  // all are issued first; the MMAs then run once the last one lands. Only in the early builds
+  // that already hold 8 loads across the PDL wait (M <= 8; there the whole batch costs no
+  // resident CTA: 104 -> 110 registers at 8 chunks, 80 -> 80 at 4 chunks x 2 batches) and have
+  // 4 warps (several CTAs per SM, whose warps cover the MMAs). H100, overlapped calls at M = 1
+  // and 8: 7B / 8B o, 7B qkv and 8B qkv 2-5% faster. The 8-warp build (70B-tp8 qkv, 1-2 CTAs
+  // per SM) was 3% slower with it, and the plain builds and the 4-load early builds, where it
+  // costs 4 registers and, at 62, a resident CTA, up to 15% slower (docs/w8a8_gemm.md,
+  // "Whole batches in flight").
+  constexpr bool kWholeBatch = kEarly > 0 && kWarps == 4 && kEarly * U * J >= 8;
+  auto mma_batch = [&](const uint4 (&x)[U], const uint4 (&y)[U], const uint4 (&w)[U][J],
+                       bool whole) {
+    if (whole) {
+      uint32_t any = 0;
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int j = 0; j < J; ++j) any |= w[u][j].x;
+      acc[0][0] += static_cast<int>(any & static_cast<uint32_t>(p.zero));
+    }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
 #pragma unroll
@@ -288,7 +313,7 @@ __global__ void __launch_bounds__(kWarps * 32) w8a8_gemv_kernel(const Params p) 
       uint4 x[U], y[U];
 #pragma unroll
       for (int u = 0; u < U; ++u) load_x(c, u, x[u], y[u]);
-      mma_batch(x, y, w_early[e]);
+      mma_batch(x, y, w_early[e], false);  // issued before the wait: long in flight
       c += U;
     }
   }
@@ -300,7 +325,7 @@ __global__ void __launch_bounds__(kWarps * 32) w8a8_gemv_kernel(const Params p) 
 #pragma unroll
       for (int j = 0; j < J; ++j) w[u][j] = load_w(c, u, j);
     }
-    mma_batch(x, y, w);
+    mma_batch(x, y, w, kWholeBatch);
   }
 
   // ---- reduce the warps' partial sums: red[warp][j][e][lane] (e: the 4 accumulator registers).
