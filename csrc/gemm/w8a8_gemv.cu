@@ -175,14 +175,17 @@ __device__ __forceinline__ int fresh_tid_x() {
   return t;
 }
 
+// The most of a lane's 16-byte weight loads a build holds across the PDL wait: 8 (32 registers)
+// at M <= 8 and 4 at M > 8, where the activation rows g + 8 take registers too. Past those caps
+// the early loads were slower at the same residency (H100, docs/w8a8_gemm.md): at M <= 8 two
+// 8-chunk batches took 7B / 8B o from 6.6 to 7.6 us; at M > 8 one 8-chunk batch was never
+// faster and took 70B-tp8 down from 13.3 to 14.8 us.
+__host__ __device__ constexpr int early_load_cap(bool m16) { return m16 ? 4 : 8; }
+
 // The most weight batches a build of U chunks x J row groups per batch requests before the PDL
-// wait (kEarly; see launch_variant): up to two, holding at most 8 of a lane's 16-byte loads
-// (32 registers) across the wait at M <= 8 and 4 at M > 8, where the activation rows g + 8 take
-// registers too. Past those caps the early loads were slower at the same residency (H100,
-// docs/w8a8_gemm.md): at M <= 8 two 8-chunk batches took 7B / 8B o from 6.6 to 7.6 us; at
-// M > 8 one 8-chunk batch was never faster and took 70B-tp8 down from 13.3 to 14.8 us.
+// wait (kEarly; see launch_variant): up to two, within early_load_cap.
 constexpr int max_early_batches(bool m16, int chunks, int row_groups) {
-  const int loads = chunks * row_groups, cap = m16 ? 4 : 8;
+  const int loads = chunks * row_groups, cap = early_load_cap(m16);
   return loads * 2 <= cap ? 2 : loads <= cap ? 1 : 0;
 }
 
@@ -246,7 +249,7 @@ __global__ void __launch_bounds__(kWarps * 32) w8a8_gemv_kernel(const Params p) 
   // per SM) was 3% slower with it, and the plain builds and the 4-load early builds, where it
   // costs 4 registers and, at 62, a resident CTA, up to 15% slower (docs/w8a8_gemm.md,
   // "Whole batches in flight").
-  constexpr bool kWholeBatch = kEarly > 0 && kWarps == 4 && kEarly * U * J >= 8;
+  constexpr bool kWholeBatch = !kM16 && kWarps == 4 && kEarly * U * J == early_load_cap(kM16);
   auto mma_batch = [&](const uint4 (&x)[U], const uint4 (&y)[U], const uint4 (&w)[U][J],
                        bool whole) {
     if (whole) {
