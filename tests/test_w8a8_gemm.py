@@ -273,7 +273,7 @@ def test_every_generated_kernel(config, shape, dtype, mode, bias):
 # of two: rows that leave a partial last CTA (N = 48 with 16 rows), K tails that are not a whole
 # 64-byte chunk, more K slices than chunks (idle warps).
 _GEMV_PROBLEMS = [(1, 48, 16), (3, 208, 272), (8, 1040, 4112), (9, 80, 1040), (16, 1296, 8208)]
-_GEMV_SHAPES = [(8, 4, 4), (8, 8, 4), (16, 8, 2), (8, 4, 8), (8, 8, 8)]
+_GEMV_SHAPES = [(8, 4, 4), (8, 8, 4), (16, 8, 2), (8, 4, 8), (8, 8, 8), (16, 8, 4)]
 
 
 @pytest.mark.gpu
@@ -308,14 +308,19 @@ def test_gemv_own_shape_at_multi_wave_layers(m, dtype, monkeypatch):
     """The GEMV's own shape choice, which counts waves from the occupancy API where N > 4096
     (csrc/gemm/w8a8_gemv.cu gemv_shape), on layers whose grids take more than one wave: 70B-tp8
     down (N = 8192, K = 3584; 8 chunks at M = 16 on an H100) and N = 8208 with K = 2064 (a tail
-    that is not a whole 64-byte chunk), where the same holds."""
+    that is not a whole 64-byte chunk), where the same holds. Under overlap_prologue the choice
+    counts waves again (at M = 16 on an H100, 70B-tp8 down takes the 16-row build with an early
+    batch): the same bits."""
     needs_w8a8_gemm()
     monkeypatch.delenv("QOPS_GEMV_SHAPE", raising=False)
+    monkeypatch.delenv("QOPS_GEMV_EARLY", raising=False)
     for n, k in [(8192, 3584), (8208, 2064)]:
         a, b, sa, sb, bz = make_inputs(m, n, k, device="cuda", per_token=True, per_channel=True, bias=True,
                                        dtype=dtype)
         d = run_and_check(a, b, sa, sb, dtype, bz, config="gemv")
         assert torch.equal(d, qops.gemm._w8a8_gemm_ref(a, b, sa, sb, dtype, bz))
+        poison_cuda_allocator()
+        assert torch.equal(qops.w8a8_gemm(a, b, sa, sb, dtype, bz, config="gemv", overlap_prologue=True), d)
 
 
 @pytest.mark.gpu
@@ -337,21 +342,25 @@ def test_gemv_bias_at_odd_element(launch, dtype, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [4, 16])
-@pytest.mark.parametrize("early", [None, "2"], ids=["own", "r8w4c4_early2"])
+@pytest.mark.parametrize("launch", [None, ("8,4,4", "2"), ("16,8,4", "1")],
+                         ids=["own", "r8w4c4_early2", "r16w8c4_early1"])
 @pytest.mark.parametrize("overlap", [False, True], ids=["", "overlap"])
 @pytest.mark.parametrize("pdl", ["1", "0"], ids=["pdl", "no_pdl"])
-def test_gemv_reads_what_the_previous_kernel_wrote(pdl, overlap, early, m, monkeypatch):
+def test_gemv_reads_what_the_previous_kernel_wrote(pdl, overlap, launch, m, monkeypatch):
     """Programmatic dependent launch lets the GEMV launch before the previous kernel ends: it must
     still read the activations and scales that kernel writes (eager and in a CUDA graph), also
     when it requests weight batches before the wait (overlap_prologue: the producers do not
-    write the weights). `early`: the own shape (8 chunks per batch at N = K = 4096, so no early
-    batch at M = 16), or the 8-row, 4-warp, 4-chunk shape with as many early batches as its
-    build has (2 at M = 4, 1 at M = 16)."""
+    write the weights). `launch`: the own choice (at N = K = 4096 on an H100: 8 chunks per batch
+    and an early batch at M = 4; under the promise at M = 16, the 16-row build with one), or a
+    forced shape with as many early batches as its build has: the 8-row, 4-warp, 4-chunk shape
+    (2 at M = 4, 1 at M = 16) and the 16-row, 8-warp, 4-chunk shape (1)."""
     needs_w8a8_gemm()
     monkeypatch.setenv("QOPS_PDL", pdl)
-    if early is not None:
-        monkeypatch.setenv("QOPS_GEMV_SHAPE", "8,4,4")
-        monkeypatch.setenv("QOPS_GEMV_EARLY", early)
+    monkeypatch.delenv("QOPS_GEMV_SHAPE", raising=False)
+    monkeypatch.delenv("QOPS_GEMV_EARLY", raising=False)
+    if launch is not None:
+        monkeypatch.setenv("QOPS_GEMV_SHAPE", launch[0])
+        monkeypatch.setenv("QOPS_GEMV_EARLY", launch[1])
     n, k = 4096, 4096
     a_buf = torch.zeros(m, k, dtype=torch.int8, device="cuda")
     sa_buf = torch.zeros(m, device="cuda")
@@ -396,7 +405,7 @@ def test_gemv_errors(monkeypatch):
     for bad in ("12,4,4", "16", "16,4,2", "8,4", "8,4,2", "8,4,4x", "x"):
         monkeypatch.setenv("QOPS_GEMV_SHAPE", bad)
         with pytest.raises(ValueError, match="QOPS_GEMV_SHAPE must be ROWS,WARPS,CHUNKS, one of "
-                                             "8,4,4 8,8,4 16,8,2 8,4,8 8,8,8; got"):
+                                             "8,4,4 8,8,4 16,8,2 8,4,8 8,8,8 16,8,4; got"):
             qops.w8a8_gemm(a[:4], b, sa[:4], sb, torch.float16, config="gemv")
     monkeypatch.delenv("QOPS_GEMV_SHAPE")
     for bad in ("3", "-1", "12", "x"):

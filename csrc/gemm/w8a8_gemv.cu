@@ -176,16 +176,20 @@ __device__ __forceinline__ int fresh_tid_x() {
 }
 
 // The most of a lane's 16-byte weight loads a build holds across the PDL wait: 8 (32 registers)
-// at M <= 8 and 4 at M > 8, where the activation rows g + 8 take registers too. Past those caps
-// the early loads were slower at the same residency (H100, docs/w8a8_gemm.md): at M <= 8 two
-// 8-chunk batches took 7B / 8B o from 6.6 to 7.6 us; at M > 8 one 8-chunk batch was never
-// faster and took 70B-tp8 down from 13.3 to 14.8 us.
-__host__ __device__ constexpr int early_load_cap(bool m16) { return m16 ? 4 : 8; }
+// at M <= 8 and 4 at M > 8, where the activation rows g + 8 take registers too -- except in the
+// builds with two row groups per CTA, where each activation load serves two weight loads: 8 at
+// any M. Past those caps the early loads were slower at the same residency (H100,
+// docs/w8a8_gemm.md): at M <= 8 two 8-chunk batches took 7B / 8B o from 6.6 to 7.6 us; at M > 8
+// one 8-chunk batch of the one-row-group build was never faster and took 70B-tp8 down from 13.3
+// to 14.8 us, where the 16-row build's batch of 4 chunks x 2 row groups took it to 12.0.
+__host__ __device__ constexpr int early_load_cap(bool m16, int row_groups) {
+  return m16 && row_groups < 2 ? 4 : 8;
+}
 
 // The most weight batches a build of U chunks x J row groups per batch requests before the PDL
 // wait (kEarly; see launch_variant): up to two, within early_load_cap.
 constexpr int max_early_batches(bool m16, int chunks, int row_groups) {
-  const int loads = chunks * row_groups, cap = early_load_cap(m16);
+  const int loads = chunks * row_groups, cap = early_load_cap(m16, row_groups);
   return loads * 2 <= cap ? 2 : loads <= cap ? 1 : 0;
 }
 
@@ -242,14 +246,21 @@ __global__ void __launch_bounds__(kWarps * 32) w8a8_gemv_kernel(const Params p) 
   // load to land), then the rest: those pay a second round trip. Adding (OR of the batch's
   // weights) & p.zero, i.e. 0, to the accumulator makes the first MMA depend on every load, so
   // all are issued first; the MMAs then run once the last one lands. Only in the early builds
-  // that already hold 8 loads across the PDL wait (M <= 8; there the whole batch costs no
-  // resident CTA: 104 -> 110 registers at 8 chunks, 80 -> 80 at 4 chunks x 2 batches) and have
-  // 4 warps (several CTAs per SM, whose warps cover the MMAs). H100, overlapped calls at M = 1
-  // and 8: 7B / 8B o, 7B qkv and 8B qkv 2-5% faster. The 8-warp build (70B-tp8 qkv, 1-2 CTAs
-  // per SM) was 3% slower with it, and the plain builds and the 4-load early builds, where it
-  // costs 4 registers and, at 62, a resident CTA, up to 15% slower (docs/w8a8_gemm.md,
-  // "Whole batches in flight").
-  constexpr bool kWholeBatch = !kM16 && kWarps == 4 && kEarly * U * J == early_load_cap(kM16);
+  // that already hold early_load_cap loads across the PDL wait, where the whole batch costs no
+  // resident CTA:
+  // - M <= 8 with 4 warps (several CTAs per SM, whose warps cover the MMAs): 104 -> 110
+  //   registers at 8 chunks, 80 -> 80 at 4 chunks x 2 batches. H100, overlapped calls at M = 1
+  //   and 8: 7B / 8B o, 7B qkv and 8B qkv 2-5% faster. The 8-warp builds (70B-tp8 qkv, 1-2 CTAs
+  //   per SM) were 3% slower with it;
+  // - M > 8, the 16-row build with one early batch of 4 chunks x 2 row groups: 94 -> 108
+  //   registers, still 2 CTAs of 8 warps per SM. At M = 16: 7B / 8B o 6.6 -> 6.3 us, 7B and 8B
+  //   down 5-6% faster, 70B-tp8 down the same; the 16-row build's two batches of 2 chunks were
+  //   mostly slower with it.
+  // The plain builds and the 4-load early builds, where it costs 4 registers and, at 62, a
+  // resident CTA, were up to 15% slower (docs/w8a8_gemm.md, "Whole batches in flight").
+  constexpr int kCap = early_load_cap(kM16, J);
+  constexpr bool kWholeBatch =
+      kM16 ? J == 2 && kEarly == 1 && U * J == kCap : kWarps == 4 && kEarly * U * J == kCap;
   auto mma_batch = [&](const uint4 (&x)[U], const uint4 (&y)[U], const uint4 (&w)[U][J],
                        bool whole) {
     if (whole) {
@@ -388,8 +399,8 @@ cudaError_t launch_variant(const Params& p, bool pdl, int early, cudaStream_t st
 }
 
 // The variants, kGemvShapes (docs/w8a8_gemm.md has the sweeps they were picked from; gemv_shape
-// chooses): 8 rows x 4 or 8 warps with 4 or 8 chunks per load batch, and 16 rows x 8 warps with 2
-// chunks per batch (each activation load serves two row groups).
+// and gemv choose): 8 rows x 4 or 8 warps with 4 or 8 chunks per load batch, and 16 rows x 8
+// warps with 2 or 4 chunks per batch (each activation load serves two row groups).
 template <bool kM16, typename OutT>
 cudaError_t launch_shape(const Params& p, GemvShape s, bool pdl, int early, cudaStream_t stream,
                          int* resident) {
@@ -401,6 +412,7 @@ cudaError_t launch_shape(const Params& p, GemvShape s, bool pdl, int early, cuda
   if (is(16, 8, 2)) return launch_variant<2, 2, 8, kM16, OutT>(p, pdl, early, stream, resident);
   if (is(8, 4, 8)) return launch_variant<1, 8, 4, kM16, OutT>(p, pdl, early, stream, resident);
   if (is(8, 8, 8)) return launch_variant<1, 8, 8, kM16, OutT>(p, pdl, early, stream, resident);
+  if (is(16, 8, 4)) return launch_variant<2, 4, 8, kM16, OutT>(p, pdl, early, stream, resident);
   return cudaErrorInvalidValue;  // not in kGemvShapes
 }
 
@@ -455,6 +467,24 @@ int early_batches(const Problem& pr, GemvShape s, bool m16, bool fp16, int sm_co
   return early;
 }
 
+// Under the caller's promise at M > 8, where the own shape s affords no early batch: whether the
+// 16-row, 8-warp, 4-chunk build with one early batch takes no more waves than s's plain grid (its
+// 8 early loads per lane fit because each activation load serves two row groups; 2 CTAs of 8
+// warps per SM). Then it is taken instead. H100, overlapped calls at M = 16 (docs/w8a8_gemm.md,
+// "M = 16: two row groups under the promise"):
+//   7B / 8B o (one wave either way) 7.6 -> 6.3 us; 7B down 19.0 -> 17.5; 8B down 23.0 -> 20.9;
+//   70B-tp8 down (two waves either way) 13.3 -> 12.0.
+// Where it costs a wave it loses or ties: 8B qkv (whose 4-chunk shape has its own early batch)
+// 10.4 -> 11.5, 70B-tp8 gate_up 22.0 -> 22.1, the gate_up layers of 7B / 8B 6-9% slower.
+constexpr GemvShape kTwoRowGroups{16, 8, 4};
+bool two_row_groups_early(const Problem& pr, GemvShape s, bool fp16, int sm_count) {
+  const int plain = resident_ctas(s, true, fp16, 0), early = resident_ctas(kTwoRowGroups, true, fp16, 1);
+  if (plain == 0 || early == 0 || sm_count <= 0) return false;
+  const int64_t rows = kTwoRowGroups.rows_per_cta;
+  return waves((pr.n + rows - 1) / rows, early, sm_count) <=
+         waves((pr.n + s.rows_per_cta - 1) / s.rows_per_cta, plain, sm_count);
+}
+
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 }  // namespace
@@ -504,8 +534,14 @@ cudaError_t gemv(const Problem& pr, int sm_count, cudaStream_t stream, size_t* w
   const Params p{pr.a,       pr.lda,   pr.b,   pr.ldb, pr.a_scale, pr.b_scale,
                  pr.bias,    pr.d,     pr.ldd, pr.m,   pr.n,       pr.k,
                  pr.scale_mode == ScaleMode::kPerTensor};
-  const bool pdl = !pr.gemv_no_pdl;
-  const int early = pdl && pr.gemv_overlap_prologue ? early_batches(pr, s, m16, fp16, sm_count) : 0;
+  const bool pdl = !pr.gemv_no_pdl, promise = pdl && pr.gemv_overlap_prologue;
+  int early = promise ? early_batches(pr, s, m16, fp16, sm_count) : 0;
+  // A forced shape or early count (tests, sweeps) is kept as given.
+  const bool own = pr.gemv_rows_per_cta == 0 && pr.gemv_force_early == 0;
+  if (promise && m16 && early == 0 && own && two_row_groups_early(pr, s, fp16, sm_count)) {
+    s = kTwoRowGroups;
+    early = 1;
+  }
   return launch_build(p, s, m16, fp16, pdl, early, stream);
 }
 

@@ -39,7 +39,9 @@ struct GemvShape {
 };
 
 // The built shapes (each a kernel instantiation; QOPS_GEMV_SHAPE can force any of them).
-constexpr GemvShape kGemvShapes[] = {{8, 4, 4}, {8, 8, 4}, {16, 8, 2}, {8, 4, 8}, {8, 8, 8}};
+// {16, 8, 4} is taken only at M > 8 under overlap_prologue (gemv in w8a8_gemv.cu).
+constexpr GemvShape kGemvShapes[] = {{8, 4, 4}, {8, 8, 4}, {16, 8, 2}, {8, 4, 8}, {8, 8, 8},
+                                     {16, 8, 4}};
 
 // The shape the GEMV picks for this problem (one of kGemvShapes). resident_c4 / resident_c8: the
 // resident CTAs per SM of the 8-row, 4-warp builds with 4 / 8 chunks per batch for this M and
