@@ -7,7 +7,8 @@
 //                   weights: it is the GEMV of another weight set), with its own choice of
 //                   weight batches requested before the PDL wait;
 //   M1_ovl_e1, ...  the same with that forced to 1 batch at M <= 8 and 0 at M = 16 (the choice
-//                   before early_batches counted waves), to A/B the two in one run;
+//                   before early_batches counted waves; at M = 16 also the choice before the
+//                   16-row build's early batch, which a forced count turns off), to A/B in one run;
 //   M16_alias       M = 16 with all 16 activation rows at one address (lda = 0): the same
 //                   instructions, but the activation loads hit one 64-byte line per chunk, so
 //                   the difference to M16 is what the activations' traffic costs;
