@@ -86,12 +86,12 @@ def w8a8_gemm(
             hand-written decode kernel (M <= 16). The CPU reference ignores it.
         overlap_prologue: keyword-only; True promises that the kernel launched just before this
             call on the same stream does not write ``b`` (weights are constant across a decode
-            step). The decode GEMV then requests its first weight batches (up to two at
-            M <= 8, one at M > 8, as its launch shape affords in registers) before it waits for
-            that kernel (programmatic dependent launch, sm_90), so that their round trip runs
-            while it finishes; it takes no more than its grid affords without another wave of
-            CTAs. A false promise is a race. No effect on the result, on the CUTLASS configs, on CPU or
-            where PDL is off (``QOPS_PDL=0``).
+            step). The decode GEMV then requests its first weight batches (up to two, as its
+            launch shape affords in registers; at M > 8 it may take a 16-row launch shape for
+            that) before it waits for that kernel (programmatic dependent launch, sm_90), so
+            that their round trip runs while it finishes; it takes no more than its grid affords
+            without another wave of CTAs. A false promise is a race. No effect on the result, on
+            the CUTLASS configs, on CPU or where PDL is off (``QOPS_PDL=0``).
 
     K and N must be multiples of 16 and K at most 131071 (the int32 accumulator cannot
     overflow). Returns ``[M, N]`` in ``out_dtype``. On CUDA this runs CUTLASS kernels for Hopper
