@@ -442,6 +442,14 @@ int resident_ctas(GemvShape s, bool m16, bool fp16, int early) {
   return err == cudaSuccess && r > 0 ? r : 0;
 }
 
+// The waves of shape s's grid for this problem with `early` batches before the PDL wait
+// (its build's resident CTAs per SM on `sm_count` SMs); 0 if unknown.
+int64_t grid_waves(const Problem& pr, GemvShape s, bool m16, bool fp16, int early, int sm_count) {
+  const int per_sm = resident_ctas(s, m16, fp16, early);
+  if (per_sm == 0 || sm_count <= 0) return 0;
+  return waves((pr.n + s.rows_per_cta - 1) / s.rows_per_cta, per_sm, sm_count);
+}
+
 // The weight batches each warp requests before the PDL wait under the caller's promise
 // (overlap_prologue): the most the build has (max_early_batches) whose grid takes no more waves
 // than the plain build's. Each early batch holds U x J x 16 bytes of registers per lane across
@@ -455,13 +463,12 @@ int resident_ctas(GemvShape s, bool m16, bool fp16, int early) {
 int early_batches(const Problem& pr, GemvShape s, bool m16, bool fp16, int sm_count) {
   const int most = max_early_batches(m16, s.chunks, s.rows_per_cta / 8);
   if (pr.gemv_force_early > 0) return pr.gemv_force_early - 1 < most ? pr.gemv_force_early - 1 : most;
-  const int plain = resident_ctas(s, m16, fp16, 0);
-  if (plain == 0 || sm_count <= 0) return m16 ? 0 : 1;  // unknown: the rule before waves were counted
-  const int64_t ctas = (pr.n + s.rows_per_cta - 1) / s.rows_per_cta;
+  const int64_t plain = grid_waves(pr, s, m16, fp16, 0, sm_count);
+  if (plain == 0) return m16 ? 0 : 1;  // unknown: the rule before waves were counted
   int early = 0;
   for (int e = 1; e <= most; ++e) {
-    const int r = resident_ctas(s, m16, fp16, e);
-    if (r == 0 || waves(ctas, r, sm_count) > waves(ctas, plain, sm_count)) break;
+    const int64_t w = grid_waves(pr, s, m16, fp16, e, sm_count);
+    if (w == 0 || w > plain) break;
     early = e;
   }
   return early;
@@ -478,11 +485,9 @@ int early_batches(const Problem& pr, GemvShape s, bool m16, bool fp16, int sm_co
 // 10.4 -> 11.5, 70B-tp8 gate_up 22.0 -> 22.1, the gate_up layers of 7B / 8B 6-9% slower.
 constexpr GemvShape kTwoRowGroups{16, 8, 4};
 bool two_row_groups_early(const Problem& pr, GemvShape s, bool fp16, int sm_count) {
-  const int plain = resident_ctas(s, true, fp16, 0), early = resident_ctas(kTwoRowGroups, true, fp16, 1);
-  if (plain == 0 || early == 0 || sm_count <= 0) return false;
-  const int64_t rows = kTwoRowGroups.rows_per_cta;
-  return waves((pr.n + rows - 1) / rows, early, sm_count) <=
-         waves((pr.n + s.rows_per_cta - 1) / s.rows_per_cta, plain, sm_count);
+  const int64_t plain = grid_waves(pr, s, true, fp16, 0, sm_count);
+  const int64_t two = grid_waves(pr, kTwoRowGroups, true, fp16, 1, sm_count);
+  return plain > 0 && two > 0 && two <= plain;
 }
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
