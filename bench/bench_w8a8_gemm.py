@@ -178,7 +178,7 @@ def time_fp8(m, n, k):
 
 
 # The built launch shapes (csrc/gemm/w8a8_gemv.h kGemvShapes): rows of N, warps, K chunks per batch.
-GEMV_SHAPES = [(8, 4, 4), (8, 8, 4), (16, 8, 2), (8, 4, 8), (8, 8, 8), (16, 8, 4)]
+GEMV_SHAPES = table.gemv_launch_shapes()
 GEMV_SHAPE_NAMES = [f"r{r}w{w}c{c}" for r, w, c in GEMV_SHAPES]
 
 

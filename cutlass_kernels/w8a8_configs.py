@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 
 
@@ -83,6 +84,25 @@ HAND_WRITTEN: tuple[HandWritten, ...] = (
     # that every SM streams weights (csrc/gemm/w8a8_gemv.cu; docs/w8a8_gemm.md).
     HandWritten("gemv", "gemm/w8a8_gemv.h", "qops::w8a8_sm90::gemv", max_m=16),
 )
+
+_GEMV_HEADER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc", "gemm",
+                            "w8a8_gemv.h")
+
+
+def gemv_launch_shapes(header: str = _GEMV_HEADER) -> list[tuple[int, int, int]]:
+    """The decode GEMV's built launch shapes, (rows of N per CTA, warps, K chunks per batch) in
+    build order: the ``kGemvShapes`` array of csrc/gemm/w8a8_gemv.h, their one definition (each is
+    a kernel instantiation there), read so that the tests and benchmarks that force every shape
+    (``QOPS_GEMV_SHAPE``) cannot drift from it."""
+    with open(header) as f:
+        match = re.search(r"constexpr GemvShape kGemvShapes\[\] = \{(.*?)\};", f.read(), re.S)
+    if match is None:
+        raise RuntimeError(f"{header}: no kGemvShapes array")
+    triples = re.findall(r"\{\s*(\d+),\s*(\d+),\s*(\d+)\s*\}", match.group(1))
+    shapes = [tuple(int(x) for x in t) for t in triples]
+    if not shapes or len(set(shapes)) != len(shapes):
+        raise RuntimeError(f"{header}: kGemvShapes is empty or repeats a shape: {match.group(1)!r}")
+    return shapes
 
 
 @dataclass(frozen=True)

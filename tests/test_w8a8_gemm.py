@@ -273,7 +273,23 @@ def test_every_generated_kernel(config, shape, dtype, mode, bias):
 # of two: rows that leave a partial last CTA (N = 48 with 16 rows), K tails that are not a whole
 # 64-byte chunk, more K slices than chunks (idle warps).
 _GEMV_PROBLEMS = [(1, 48, 16), (3, 208, 272), (8, 1040, 4112), (9, 80, 1040), (16, 1296, 8208)]
-_GEMV_SHAPES = [(8, 4, 4), (8, 8, 4), (16, 8, 2), (8, 4, 8), (8, 8, 8), (16, 8, 4)]
+_GEMV_SHAPES = table.gemv_launch_shapes()  # csrc/gemm/w8a8_gemv.h kGemvShapes
+
+
+def test_gemv_launch_shapes_come_from_the_header(tmp_path):
+    """The shape list the GEMV tests and the benchmark force is read from the kernel's header; a
+    header it cannot read is an error, not an empty (silently skipped) parametrization."""
+    assert len(_GEMV_SHAPES) >= 2 and (8, 4, 4) in _GEMV_SHAPES
+    for rows, warps, chunks in _GEMV_SHAPES:
+        assert rows in (8, 16) and warps in (4, 8) and chunks in (2, 4, 8), (rows, warps, chunks)
+    header = tmp_path / "w8a8_gemv.h"
+    header.write_text("constexpr GemvShape kGemvShapes[] = {{16, 8, 2},\n {8, 4, 4}};\n")
+    assert table.gemv_launch_shapes(str(header)) == [(16, 8, 2), (8, 4, 4)]
+    for broken in ("struct GemvShape {};\n", "constexpr GemvShape kGemvShapes[] = {};\n",
+                   "constexpr GemvShape kGemvShapes[] = {{8, 4, 4}, {8, 4, 4}};\n"):
+        header.write_text(broken)
+        with pytest.raises(RuntimeError, match="kGemvShapes"):
+            table.gemv_launch_shapes(str(header))
 
 
 @pytest.mark.gpu
@@ -404,8 +420,8 @@ def test_gemv_errors(monkeypatch):
         qops.w8a8_gemm(a, b, sa, sb, torch.float16, config="gemv")
     for bad in ("12,4,4", "16", "16,4,2", "8,4", "8,4,2", "8,4,4x", "x"):
         monkeypatch.setenv("QOPS_GEMV_SHAPE", bad)
-        with pytest.raises(ValueError, match="QOPS_GEMV_SHAPE must be ROWS,WARPS,CHUNKS, one of "
-                                             "8,4,4 8,8,4 16,8,2 8,4,8 8,8,8 16,8,4; got"):
+        built = " ".join(",".join(map(str, shape)) for shape in _GEMV_SHAPES)
+        with pytest.raises(ValueError, match=f"QOPS_GEMV_SHAPE must be ROWS,WARPS,CHUNKS, one of {built}; got"):
             qops.w8a8_gemm(a[:4], b, sa[:4], sb, torch.float16, config="gemv")
     monkeypatch.delenv("QOPS_GEMV_SHAPE")
     for bad in ("3", "-1", "12", "x"):
