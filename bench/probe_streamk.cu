@@ -187,8 +187,13 @@ int main(int argc, char** argv) {
       if (!ok[i]) continue;
       cudaGraph_t g;
       CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-      for (int c = 0; c < calls; ++c) run(i, d);
+      bool captured = true;
+      for (int c = 0; c < calls; ++c) captured = run(i, d) && captured;
       CK(cudaStreamEndCapture(s, &g));
+      if (!captured) {
+        printf("M=%d %s: a captured launch failed\n", M, variants[i].name);
+        exit(1);
+      }
       CK(cudaGraphInstantiate(&graphs[i], g, 0));
       CK(cudaGraphDestroy(g));
       CK(cudaGraphLaunch(graphs[i], s));  // warm-up
