@@ -8,23 +8,22 @@ each). It then writes ``w8a8_dispatch.cu``, which implements ``csrc/gemm/w8a8_sm
 names, the table's selection rules and the (config, dtype, mode) -> kernel table, in which the
 hand-written kernels of ``w8a8_configs.HAND_WRITTEN`` (csrc/) follow the generated ones.
 
-    gen_w8a8.py --out DIR [--nvcc-version 13.0]
+    python -m cutlass_kernels.gen_w8a8 --out DIR [--nvcc-version 13.0] [--headers-only]
 
-prints the generated files, one per line (CMake reads that list). It needs no GPU, its output
-depends only on its inputs, and it rewrites a file only when the content changes, so a rebuild
-recompiles only the kernels whose source changed.
+(from the repository root) prints the generated files, one per line (CMake reads that list). It
+needs no GPU, its output depends only on its inputs, and it rewrites a file only when the content
+changes, so a rebuild recompiles only the kernels whose source changed. ``--headers-only`` writes
+only the table's plain-data headers (``w8a8_gemv_shapes.h``, ``w8a8_select.h``) and does not import
+CUTLASS: the portable kernels in csrc/ include them on builds without the sm_90a kernels too.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import re
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import w8a8_configs as table
-from cutlass_env import TARGET_CC, cutlass_cppgen_for_sm90
+from cutlass_kernels import w8a8_configs as table
+from cutlass_kernels.cutlass_env import TARGET_CC, cutlass_cppgen_for_sm90
 
 # Example extents for tracing; the emitted code does not depend on them.
 _M, _N = 512, 512
@@ -165,8 +164,10 @@ namespace qops {{
 namespace w8a8_sm90 {{
 namespace kernels {{
 
-// With `workspace_bytes` set: stores the workspace this problem needs and launches nothing.
-cudaError_t {function}(const Problem& p, int sm_count, cudaStream_t stream, size_t* workspace_bytes) {{
+// With `workspace_bytes` set: stores the workspace this problem needs and launches nothing. The
+// launch options are the hand-written kernels' (gemm/w8a8_sm90.h LaunchOptions): none applies here.
+cudaError_t {function}(const Problem& p, const LaunchOptions&, int sm_count, cudaStream_t stream,
+                       size_t* workspace_bytes) {{
   using namespace {namespace};
   using GemmKernel = DeviceKernel::GemmKernel;
   auto stride_a = cutlass::make_cute_packed_stride(GemmKernel::StrideA{{}}, cute::make_shape(p.m, p.k, 1));
@@ -223,12 +224,11 @@ namespace kernels {{
 
 namespace {{
 
-using Launch = cudaError_t (*)(const Problem&, int, cudaStream_t, size_t*);
 struct Entry {{
   int config;
   OutDtype out_dtype;
   ScaleMode scale_mode;
-  Launch launch;
+  LaunchFn launch;
 }};
 
 constexpr const char* kConfigNames[] = {{
@@ -258,7 +258,8 @@ int select_config(int m, int n, int k, int num_sms) {{ return select::select_con
 
 namespace {{
 
-cudaError_t find_and_call(const Problem& p, int config, cudaStream_t stream, size_t* workspace_bytes) {{
+cudaError_t find_and_call(const Problem& p, int config, const LaunchOptions& options,
+                          cudaStream_t stream, size_t* workspace_bytes) {{
   // The persistent kernels size their grid by the SM count; sm_90 is the only architecture these
   // kernels are built for.
   qops::DeviceProps device;
@@ -267,7 +268,7 @@ cudaError_t find_and_call(const Problem& p, int config, cudaStream_t stream, siz
   if (config < 0) config = select_config(p.m, p.n, p.k, device.sms);
   for (const Entry& e : kKernels) {{
     if (e.config == config && e.out_dtype == p.out_dtype && e.scale_mode == p.scale_mode) {{
-      return e.launch(p, device.sms, stream, workspace_bytes);
+      return e.launch(p, options, device.sms, stream, workspace_bytes);
     }}
   }}
   return cudaErrorInvalidValue;
@@ -277,11 +278,11 @@ cudaError_t find_and_call(const Problem& p, int config, cudaStream_t stream, siz
 
 cudaError_t workspace_size(const Problem& p, int config, size_t* bytes) {{
   *bytes = 0;
-  return find_and_call(p, config, nullptr, bytes);
+  return find_and_call(p, config, LaunchOptions{{}}, nullptr, bytes);
 }}
 
-cudaError_t gemm(const Problem& p, int config, cudaStream_t stream) {{
-  return find_and_call(p, config, stream, nullptr);
+cudaError_t gemm(const Problem& p, int config, const LaunchOptions& options, cudaStream_t stream) {{
+  return find_and_call(p, config, options, stream, nullptr);
 }}
 
 }}  // namespace w8a8_sm90
@@ -334,7 +335,7 @@ inline int fewest_waves(std::initializer_list<int> candidates, int m, int n, int
   return best;
 }}
 
-// w8a8_configs.TUNED (cutlass_kernels/w8a8_tuned.json, measured by bench/tune_w8a8_gemm.py):
+// w8a8_configs.TUNED (cutlass_kernels/w8a8_tuned.json, measured by tools/tune_w8a8_gemm.py):
 // per tuned (N, K), the config of each M bucket; -1 where the table does not apply.
 struct TunedPick {{
   int max_m, config;
@@ -375,6 +376,45 @@ inline int select_config(int m, int n, int k, int num_sms) {{
 """
 
 
+_GEMV_SHAPES_TEMPLATE = """\
+// Generated by cutlass_kernels/gen_w8a8.py from cutlass_kernels/w8a8_configs.py: do not edit.
+// The decode GEMV's launch shapes (w8a8_configs.GEMV_SHAPES): each one a kernel build of
+// gemm/w8a8_gemv.cu. Plain data, torch- and CUDA-free.
+#pragma once
+
+namespace qops {{
+namespace w8a8_sm90 {{
+
+// Rows of N per CTA, warps (K slices) per CTA, 64-byte K chunks each warp loads per batch.
+struct GemvShape {{
+  int rows_per_cta;
+  int warps;
+  int chunks;
+}};
+
+constexpr GemvShape kGemvShapes[] = {{
+{shapes}
+}};
+
+}}  // namespace w8a8_sm90
+}}  // namespace qops
+"""
+
+
+def _gemv_shapes_code() -> str:
+    return "\n".join(f"    {{{r}, {w}, {c}}}," for r, w, c in table.gemv_launch_shapes())
+
+
+def generate_headers() -> dict[str, str]:
+    """File name -> content of the plain-data headers (no CUTLASS needed)."""
+    table.check_table()
+    return {
+        "w8a8_select.h": _SELECT_TEMPLATE.format(selection=_selection_code(), tiles=_tiles_code(),
+                                                 **_tuned_code()),
+        "w8a8_gemv_shapes.h": _GEMV_SHAPES_TEMPLATE.format(shapes=_gemv_shapes_code()),
+    }
+
+
 def _selection_code() -> str:
     index = {n: i for i, n in enumerate(table.config_names())}
     lines = []
@@ -407,12 +447,12 @@ def _tiles_code() -> str:
 
 def generate(nvcc_version: str) -> dict[str, str]:
     """File name -> content of every generated file."""
-    table.check_table()
+    files = generate_headers()
     cutlass = cutlass_cppgen_for_sm90(nvcc_version)
     from cutlass_cppgen.backend.gemm_operation import EmitGemmUniversalInstance3x
 
     includes = "\n".join(f'#include "{h}"' for h in EmitGemmUniversalInstance3x().includes)
-    files, declarations, entries = {}, [], []
+    declarations, entries = [], []
     for ci, cfg in enumerate(table.CONFIGS):
         for out_dtype in table.OUT_DTYPES:
             for scale_mode in table.SCALE_MODES:
@@ -424,7 +464,8 @@ def generate(nvcc_version: str) -> dict[str, str]:
                     includes=includes, namespace=f"qops_gen_{function}", kernel=kernel.strip("\n"),
                     operation=operation, function=function,
                     evt_arguments=_evt_arguments(kernel, _DTYPES[out_dtype][1]))
-                declarations.append(f"cudaError_t {function}(const Problem&, int, cudaStream_t, size_t*);")
+                declarations.append(f"cudaError_t {function}(const Problem&, const LaunchOptions&, int, "
+                                    "cudaStream_t, size_t*);")
                 entries.append(f"    {{{ci}, {_DTYPES[out_dtype][2]}, {_MODES[scale_mode]}, "
                                f"&kernels::{function}}},")
     max_m_cases = []
@@ -440,8 +481,6 @@ def generate(nvcc_version: str) -> dict[str, str]:
         names="\n".join(f'    "{n}",' for n in table.config_names()),
         max_m_cases="\n".join(max_m_cases),
         entries="\n".join(entries), num_configs=len(table.config_names()))
-    files["w8a8_select.h"] = _SELECT_TEMPLATE.format(selection=_selection_code(), tiles=_tiles_code(),
-                                                     **_tuned_code())
     return files
 
 
@@ -449,11 +488,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="output folder (in the build tree)")
     p.add_argument("--nvcc-version", default="13.0", help="CUDA version the kernels are built with")
+    p.add_argument("--headers-only", action="store_true",
+                   help="write only the plain-data headers (no CUTLASS import)")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     args.out = os.path.abspath(args.out)
     os.chdir(args.out)  # importing cutlass_cppgen creates its compile cache (a sqlite file) in the cwd
-    files = generate(args.nvcc_version)
+    files = generate_headers() if args.headers_only else generate(args.nvcc_version)
     for name, text in sorted(files.items()):
         path = os.path.join(args.out, name)
         try:
@@ -464,7 +505,8 @@ def main() -> None:
         if not unchanged:
             with open(path, "w") as f:
                 f.write(text)
-    stale = [n for n in os.listdir(args.out) if n.startswith("w8a8_") and n.endswith(".cu") and n not in files]
+    stale = [] if args.headers_only else [
+        n for n in os.listdir(args.out) if n.startswith("w8a8_") and n.endswith(".cu") and n not in files]
     for name in stale:  # a config removed from the table
         os.remove(os.path.join(args.out, name))
     for name in sorted(files):

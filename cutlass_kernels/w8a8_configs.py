@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import dataclass
 
 
@@ -85,24 +84,29 @@ HAND_WRITTEN: tuple[HandWritten, ...] = (
     HandWritten("gemv", "gemm/w8a8_gemv.h", "qops::w8a8_sm90::gemv", max_m=16),
 )
 
-_GEMV_HEADER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc", "gemm",
-                            "w8a8_gemv.h")
+@dataclass(frozen=True)
+class GemvShape:
+    """A launch shape of the decode GEMV: rows of N per CTA (8 or 16: one or two row groups),
+    warps per CTA (each takes a slice of K) and 64-byte K chunks per load batch. Each is a kernel
+    instantiation per (M <= 8 or not) x output dtype x early batches (csrc/gemm/w8a8_gemv.cu)."""
+    rows: int
+    warps: int
+    chunks: int
 
 
-def gemv_launch_shapes(header: str = _GEMV_HEADER) -> list[tuple[int, int, int]]:
-    """The decode GEMV's built launch shapes, (rows of N per CTA, warps, K chunks per batch) in
-    build order: the ``kGemvShapes`` array of csrc/gemm/w8a8_gemv.h, their one definition (each is
-    a kernel instantiation there), read so that the tests and benchmarks that force every shape
-    (``QOPS_GEMV_SHAPE``) cannot drift from it."""
-    with open(header) as f:
-        match = re.search(r"constexpr GemvShape kGemvShapes\[\] = \{(.*?)\};", f.read(), re.S)
-    if match is None:
-        raise RuntimeError(f"{header}: no kGemvShapes array")
-    triples = re.findall(r"\{\s*(\d+),\s*(\d+),\s*(\d+)\s*\}", match.group(1))
-    shapes = [tuple(int(x) for x in t) for t in triples]
-    if not shapes or len(set(shapes)) != len(shapes):
-        raise RuntimeError(f"{header}: kGemvShapes is empty or repeats a shape: {match.group(1)!r}")
-    return shapes
+# The built GEMV launch shapes, in build order: the one definition, emitted as kGemvShapes into the
+# generated header w8a8_gemv_shapes.h (the tests and sweeps that force every shape read it here).
+# gemv_shape in w8a8_gemv.cu picks among the first five by problem size (docs/w8a8_gemm.md);
+# (16, 8, 4) is taken only at M > 8 under overlap_prologue, where its early batch fits.
+GEMV_SHAPES: tuple[GemvShape, ...] = (
+    GemvShape(8, 4, 4), GemvShape(8, 8, 4), GemvShape(16, 8, 2), GemvShape(8, 4, 8), GemvShape(8, 8, 8),
+    GemvShape(16, 8, 4),
+)
+
+
+def gemv_launch_shapes() -> list[tuple[int, int, int]]:
+    """GEMV_SHAPES as (rows, warps, chunks) triples, in build order."""
+    return [(s.rows, s.warps, s.chunks) for s in GEMV_SHAPES]
 
 
 @dataclass(frozen=True)
@@ -144,7 +148,7 @@ SELECTION: tuple[Rule, ...] = (
 
 DEFAULT_SMS = 132  # H100 SXM
 
-# Measured per-shape choice (bench/tune_w8a8_gemm.py): for the tuned (N, K) on a GPU with the
+# Measured per-shape choice (tools/tune_w8a8_gemm.py): for the tuned (N, K) on a GPU with the
 # tuned SM count, ``[(max_m, config), ...]`` by M bucket; it takes precedence over SELECTION,
 # whose rules cover every other problem. M above the last bucket takes the last pick.
 TUNED_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "w8a8_tuned.json")
@@ -228,6 +232,10 @@ def check_table() -> None:
             limit = config_max_m(name)
             assert limit is None or max_m <= limit, f"{TUNED_PATH}: N={n} K={k} picks {name} beyond M = {limit}"
         assert [m for m, _ in picks] == sorted({m for m, _ in picks}), f"{TUNED_PATH}: N={n} K={k}: unsorted"
+    shapes = gemv_launch_shapes()
+    assert shapes and len(set(shapes)) == len(shapes), "GEMV_SHAPES is empty or repeats a shape"
+    for r, w, c in shapes:
+        assert r in (8, 16) and w in (4, 8) and c in (2, 4, 8), f"GEMV shape {(r, w, c)} has no kernel build"
     for h in HAND_WRITTEN:
         assert h.max_m >= 1 and h.header.endswith(".h") and "::" in h.function, h
     for c in CONFIGS:

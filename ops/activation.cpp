@@ -14,7 +14,9 @@ namespace {
 using namespace qops_glue;
 
 std::tuple<at::Tensor, at::Tensor> silu_and_mul_quant_cuda(const at::Tensor& input,
-                                                           const std::optional<at::Tensor>& scale) {
+                                                           const std::optional<at::Tensor>& scale,
+                                                           bool enable_pdl, int64_t threads_per_row,
+                                                           int64_t cluster) {
   constexpr const char* op = "silu_and_mul_quant";
   check_cuda(input, op, "input");
   check_half(input, op, "input");
@@ -25,6 +27,7 @@ std::tuple<at::Tensor, at::Tensor> silu_and_mul_quant_cuda(const at::Tensor& inp
   const int64_t I = input.size(-1) / 2;
   const int64_t rows = input.numel() / input.size(-1);
   const int64_t stride = qops_glue::row_stride(input, op, "input");
+  const qops::FusedQuantTuning tuning = fq_glue::tuning(enable_pdl, threads_per_row, cluster, op);
   const c10::cuda::CUDAGuard guard(input.device());
   std::vector<int64_t> out_shape(input.sizes().begin(), input.sizes().end());
   out_shape.back() = I;
@@ -38,12 +41,12 @@ std::tuple<at::Tensor, at::Tensor> silu_and_mul_quant_cuda(const at::Tensor& inp
     err = qops::silu_and_mul_quant<__half>(
         static_cast<const __half*>(input.data_ptr()), stride, out.data_ptr<int8_t>(),
         scales.data_ptr<float>(), s_in, rows, I, c10::cuda::getCurrentCUDAStream(),
-        fq_glue::tuning());
+        tuning);
   } else {
     err = qops::silu_and_mul_quant<__nv_bfloat16>(
         static_cast<const __nv_bfloat16*>(input.data_ptr()), stride, out.data_ptr<int8_t>(),
         scales.data_ptr<float>(), s_in, rows, I, c10::cuda::getCurrentCUDAStream(),
-        fq_glue::tuning());
+        tuning);
   }
   QOPS_CHECK_VALUE(err != cudaErrorInvalidValue, op, "unsupported size: I = ", I,
                    " (rows ", rows, ", row stride ", stride, ")");

@@ -2,8 +2,7 @@
 // split-K choice, the fused merge's counters, stream; the kernels are in csrc/attention/).
 #include <algorithm>
 #include <atomic>
-#include <cstdlib>
-#include <cstring>
+#include <string>
 #include <mutex>
 
 #include "attention/paged_decode_int8.h"
@@ -42,7 +41,7 @@ using namespace qops_glue;
 // The shared buffer means that fused calls on one device must be ordered with each other (one
 // stream, or streams/graph replays synchronized with each other): two calls that can run at the
 // same time, e.g. concurrently replayed graphs or unsynchronized streams, would count into the
-// same counters and merge partial results. Such callers set QOPS_DECODE_FUSED_REDUCE=0. (A buffer
+// same counters and merge partial results. Such callers pass merge="separate". (A buffer
 // per stream would not help graphs: torch.cuda.graph captures on its own stream, never used
 // eagerly, so every capture would take the memset path.)
 constexpr int64_t kSharedSplitCounters = 4096;  // 16 KiB per device
@@ -73,28 +72,32 @@ int32_t* shared_split_counters(int device, cudaStream_t stream, int64_t needed, 
   return ptr;
 }
 
-// Whether the split merge runs fused into the split kernel. QOPS_DECODE_FUSED_REDUCE=0 or =1
-// forces the two-kernel or the fused path; unset, the fused path runs where it measured faster
-// (H100, bench/bench_decode_attention.py, docs/kv_cache.md): head_dim 128 with contexts of 4096
-// tokens and more (6-7% at B=1 for Llama-3-8B GQA). With head_dim 64 (SmolLM2) and short contexts
-// the last CTA's serial merge costs more than the second launch saves (up to 17% slower), and
-// elsewhere the two are within 1%. Read at every call, so a benchmark can compare both in one
-// process; a captured graph keeps the path it was captured with.
-bool fused_reduce_enabled(int head_dim, int max_context) {
-  const char* v = std::getenv("QOPS_DECODE_FUSED_REDUCE");
-  if (v != nullptr && std::strcmp(v, "0") == 0) return false;
-  if (v != nullptr && std::strcmp(v, "1") == 0) return true;
-  return head_dim == 128 && max_context >= 4096;
+// How the splits are merged (the op's `merge` argument, qops.DecodeTuning):
+//   "auto"     the cluster merge (distributed shared memory, sm_90) where the split count fits a
+//              cluster and the device can co-schedule the grid's clusters; else the fused merge
+//              (counters) where it measured faster (H100, bench/bench_decode_attention.py,
+//              docs/kv_cache.md): head_dim 128 with contexts of 4096 tokens and more (6-7% at B=1
+//              for Llama-3-8B GQA; with head_dim 64 and short contexts the last CTA's serial merge
+//              costs more than the second launch saves, up to 17%); else the separate merge kernel;
+//   "cluster"  the cluster merge where it fits, else the separate merge kernel;
+//   "fused"    never the cluster merge; the fused merge;
+//   "separate" never the cluster merge; the second kernel.
+// The three merges of the same splits give bit-identical outputs.
+enum class Merge { kAuto, kCluster, kFused, kSeparate };
+
+Merge parse_merge(c10::string_view merge, const char* op) {
+  if (merge == "auto") return Merge::kAuto;
+  if (merge == "cluster") return Merge::kCluster;
+  if (merge == "fused") return Merge::kFused;
+  QOPS_CHECK_VALUE(merge == "separate", op,
+                   "merge must be auto, cluster, fused or separate, got '", std::string(merge), "'");
+  return Merge::kSeparate;
 }
 
-// Whether the splits may be merged through distributed shared memory (a thread-block cluster per
-// (sequence, kv head, head group), sm_90): QOPS_DECODE_CLUSTER_MERGE=0 turns it off (then
-// QOPS_DECODE_FUSED_REDUCE picks between the other two paths); unset or 1, it is used wherever the
-// split count fits a cluster (<= 8) and the device can co-schedule such a cluster. Read at every
-// call, like QOPS_DECODE_FUSED_REDUCE.
-bool cluster_merge_enabled() {
-  const char* v = std::getenv("QOPS_DECODE_CLUSTER_MERGE");
-  return v == nullptr || std::strcmp(v, "0") != 0;
+bool fused_merge(Merge merge, int head_dim, int max_context) {
+  if (merge == Merge::kFused) return true;
+  if (merge == Merge::kAuto) return head_dim == 128 && max_context >= 4096;
+  return false;
 }
 
 at::Tensor paged_decode_attention_int8_cuda(const at::Tensor& query, const at::Tensor& k_cache,
@@ -103,8 +106,13 @@ at::Tensor paged_decode_attention_int8_cuda(const at::Tensor& query, const at::T
                                             const at::Tensor& block_tables,
                                             const at::Tensor& seq_lens, double sm_scale,
                                             const std::optional<at::Tensor>& alibi_slopes,
-                                            int64_t num_splits, bool overlap_prologue) {
+                                            int64_t num_splits, bool overlap_prologue,
+                                            bool enable_pdl, c10::string_view merge_name,
+                                            int64_t warps) {
   constexpr const char* op = "paged_decode_attention_int8";
+  const Merge merge = parse_merge(merge_name, op);
+  QOPS_CHECK_VALUE(warps == 0 || warps == 4 || warps == 8, op,
+                   "warps must be 0 (the kernel's choice), 4 or 8, got ", warps);
   check_half(query, op, "query");
   QOPS_CHECK_VALUE(query.dim() == 3, op, "query must be [B, HQ, D], got shape ", query.sizes());
   QOPS_CHECK_VALUE(query.stride(2) == 1, op,
@@ -156,9 +164,8 @@ at::Tensor paged_decode_attention_int8_cuda(const at::Tensor& query, const at::T
 
   const int max_context = static_cast<int>(max_blocks * bs);
   int splits = static_cast<int>(num_splits);
-  // The heuristic's count depends on the device only, not on QOPS_DECODE_CLUSTER_MERGE /
-  // QOPS_DECODE_FUSED_REDUCE: those choose how the splits are merged, and the three merges of the
-  // same splits give bit-identical outputs.
+  // The heuristic's count depends on the device only, not on `merge`, which chooses how the
+  // splits are merged: the three merges of the same splits give bit-identical outputs.
   qops::DeviceProps props;  // the guard made the query's device current
   check_launch(qops::current_device_props(&props), op);
   const int major = props.cc_major;
@@ -195,17 +202,16 @@ at::Tensor paged_decode_attention_int8_cuda(const at::Tensor& query, const at::T
   p.num_splits = splits;
   p.sm_scale = static_cast<float>(sm_scale);
   p.bf16 = query.scalar_type() == at::kBFloat16;
-  // QOPS_DECODE_WARPS=4|8 forces the warps per CTA (an override for tests and sweeps).
-  if (const char* w = std::getenv("QOPS_DECODE_WARPS")) p.warps = std::atoi(w);
-  p.no_pdl = !pdl_enabled();  // QOPS_PDL=0
+  p.warps = static_cast<int>(warps);  // 0: the launcher's rule
+  p.no_pdl = !enable_pdl;
   // The caller's promise covers its own query tensor, not the aligned copy made just above.
   p.overlap_prologue = overlap_prologue && q_aligned;
 
   // How the splits are merged: in a thread-block cluster (no workspace), else fused into the
   // split kernel through a workspace and counters, else by a second kernel. Whether the clusters
   // fit is asked once; where the heuristic's don't, a few splits fewer may (the count must not
-  // depend on QOPS_DECODE_CLUSTER_MERGE, so this runs whether or not the merge is enabled).
-  const bool cluster_enabled = cluster_merge_enabled();
+  // depend on `merge`, so this runs whether or not the cluster merge is allowed).
+  const bool cluster_enabled = merge == Merge::kAuto || merge == Merge::kCluster;
   const bool auto_sm90 = num_splits == 0 && major >= 9;
   bool fits = splits > 1 && (cluster_enabled || auto_sm90) &&
               qops::attention::paged_decode_int8_cluster_merge_fits(p);
@@ -225,7 +231,7 @@ at::Tensor paged_decode_attention_int8_cuda(const at::Tensor& query, const at::T
   // int32s after the workspace's floats.
   int32_t* counters = nullptr;
   int64_t ws_counters = 0;
-  if (ws > 0 && fused_reduce_enabled(static_cast<int>(D), max_context)) {
+  if (ws > 0 && fused_merge(merge, static_cast<int>(D), max_context)) {
     const int64_t n = qops::attention::paged_decode_int8_num_counters(
         static_cast<int>(B), static_cast<int>(HQ), static_cast<int>(HKV));
     counters = shared_split_counters(query.device().index(), stream, n, op);

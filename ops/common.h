@@ -7,8 +7,6 @@
 #include <cuda_runtime_api.h>
 #include <torch/library.h>
 
-#include <cstdlib>
-#include <cstring>
 #include <string>
 #include <type_traits>
 
@@ -108,14 +106,6 @@ inline int64_t row_stride(const at::Tensor& t, const char* op, const char* name)
     expect *= t.size(d);
   }
   return stride < 0 ? H : stride;
-}
-
-// Whether kernels launch with programmatic dependent launch (csrc/common/cuda_utils.cuh):
-// QOPS_PDL=0 turns it off for every qops kernel (A/B timing, tests). Read on every call (~0.1 us;
-// a CUDA graph keeps the choice made at capture).
-inline bool pdl_enabled() {
-  const char* v = std::getenv("QOPS_PDL");
-  return v == nullptr || std::strcmp(v, "0") != 0;
 }
 
 // Converts a kernel's cudaError_t into a Python exception naming the op.

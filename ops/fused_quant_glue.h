@@ -1,12 +1,11 @@
 // Glue helpers shared by ops/norm.cpp and ops/activation.cpp (the fused "math + int8 quant" ops).
 #pragma once
 
-#include <cstdlib>
 #include <optional>
 #include <string>
 
 #include "common.h"
-#include "norm/fused_quant_tuning.h"
+#include "quant/fused_quant_tuning.h"
 
 namespace fq_glue {
 
@@ -29,14 +28,19 @@ inline void check_scale(const std::optional<at::Tensor>& scale, const at::Tensor
                    scale->sizes());
 }
 
-// Launch-shape override for tuning (benchmark sweeps): QOPS_FQ_TPR (threads per row to aim for)
-// and QOPS_FQ_CLUSTER (CTAs per row). Read on every call so a sweep can change them; unset in
-// normal use (the kernels choose). Also QOPS_PDL (qops_glue::pdl_enabled).
-inline qops::FusedQuantTuning tuning() {
+// The family's launch options (the ops' keyword-only arguments enable_pdl, threads_per_row and
+// cluster; 0 = the kernel's choice), checked and packed into the kernels' typed struct.
+inline qops::FusedQuantTuning tuning(bool enable_pdl, int64_t threads_per_row, int64_t cluster,
+                                     const char* op) {
+  QOPS_CHECK_VALUE(threads_per_row >= 0 && threads_per_row <= 1024, op,
+                   "threads_per_row must be in [0, 1024] (0: the kernel's choice), got ",
+                   threads_per_row);
+  QOPS_CHECK_VALUE(cluster == 0 || cluster == 1 || cluster == 2 || cluster == 4 || cluster == 8, op,
+                   "cluster must be 0 (the kernel's choice), 1, 2, 4 or 8, got ", cluster);
   qops::FusedQuantTuning t;
-  t.pdl = qops_glue::pdl_enabled();
-  if (const char* s = std::getenv("QOPS_FQ_TPR")) t.threads_per_row_target = std::atoi(s);
-  if (const char* s = std::getenv("QOPS_FQ_CLUSTER")) t.cluster = std::atoi(s);
+  t.pdl = enable_pdl;
+  t.threads_per_row_target = static_cast<int>(threads_per_row);
+  t.cluster = static_cast<int>(cluster);
   return t;
 }
 

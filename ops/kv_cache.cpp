@@ -19,6 +19,8 @@ bool check_kv_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, const 
   QOPS_CHECK_VALUE(v_cache.sizes() == k_cache.sizes(), op, "v_cache must have k_cache's shape ",
                    k_cache.sizes(), ", got ", v_cache.sizes());
   check_same_device(v_cache, k_cache, op, "v_cache");
+  QOPS_CHECK_VALUE(k_cache.size(1) >= 1 && k_cache.size(3) >= 1, op,
+                   "k_cache must have H_kv >= 1 and D >= 1, got shape ", k_cache.sizes());
   check_contiguous(k_cache, op, "k_cache");
   check_contiguous(v_cache, op, "v_cache");
   const int64_t bs = k_cache.size(2);
@@ -59,7 +61,7 @@ using namespace qops_glue;
 void reshape_and_cache_int8_cuda(const at::Tensor& key, const at::Tensor& value,
                                  const at::Tensor& k_cache, const at::Tensor& v_cache,
                                  const at::Tensor& k_scales, const at::Tensor& v_scales,
-                                 const at::Tensor& slot_mapping) {
+                                 const at::Tensor& slot_mapping, bool enable_pdl) {
   constexpr const char* op = "reshape_and_cache_int8";
   check_half(key, op, "key");
   QOPS_CHECK_TYPE(value.scalar_type() == key.scalar_type(), op, "value must have key's dtype ",
@@ -108,7 +110,7 @@ void reshape_and_cache_int8_cuda(const at::Tensor& key, const at::Tensor& value,
   p.block_size = static_cast<int>(k_cache.size(2));
   p.num_blocks = static_cast<int>(k_cache.size(0));
   p.bf16 = key.scalar_type() == at::kBFloat16;
-  p.no_pdl = !pdl_enabled();  // QOPS_PDL=0
+  p.no_pdl = !enable_pdl;
   check_launch(qops::kv_cache::reshape_and_cache_int8(p, c10::cuda::getCurrentCUDAStream()), op);
 }
 

@@ -3,7 +3,6 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include <cstdlib>
 #include <string>
 
 #include "common.h"
@@ -14,35 +13,38 @@ namespace {
 
 using namespace qops_glue;
 
-// Launch tuning of this family (fq_glue::tuning(): QOPS_FQ_TPR / QOPS_FQ_CLUSTER) plus the norm's
-// own switches, all read with getenv on every call (~0.1 us; a CUDA graph keeps the choice made at
-// capture), so that the benchmark and the tests can switch within one process:
-//   QOPS_NORM_VARIANT     = auto (unset) | rowres | pipelined: force the row-resident kernel or the
-//                           persistent pipelined one (a forced pipelined variant that does not fit
-//                           the input, e.g. unaligned rows or hidden > 8192, runs row-resident);
-//   QOPS_NORM_PIPE_STAGES = 2 | 3: the pipelined kernel's ring depth (default: 3 where it costs no
-//                           occupancy, else 2).
-qops::FusedQuantTuning norm_tuning(const char* op) {
-  qops::FusedQuantTuning t = fq_glue::tuning();
-  if (const char* v = std::getenv("QOPS_NORM_VARIANT"); v != nullptr && *v != '\0') {
-    const std::string s(v);
-    if (s == "rowres") {
-      t.norm_variant = qops::kNormVariantRowResident;
-    } else if (s == "pipelined") {
-      t.norm_variant = qops::kNormVariantPipelined;
-    } else {
-      QOPS_CHECK_VALUE(s == "auto", op,
-                       "QOPS_NORM_VARIANT must be auto, rowres or pipelined, got '", s, "'");
-    }
+// The ops' keyword-only launch options (qops.NormTuning): enable_pdl, the kernel variant
+// ("auto" = the launcher's rule, "rowres" = one row per CTA, "pipelined" = persistent CTAs with a
+// cp.async ring; a forced pipelined variant that does not fit the input, e.g. unaligned rows or
+// hidden > 8192, runs row-resident), the pipelined ring depth (0 = choose, 2 or 3) and the
+// family's launch-shape hints (fq_glue::tuning).
+struct NormOptions {
+  bool enable_pdl;
+  c10::string_view variant;
+  int64_t pipe_stages, threads_per_row, cluster;
+};
+
+qops::FusedQuantTuning norm_tuning(const char* op, const NormOptions& o) {
+  qops::FusedQuantTuning t = fq_glue::tuning(o.enable_pdl, o.threads_per_row, o.cluster, op);
+  if (o.variant == "rowres") {
+    t.norm_variant = qops::kNormVariantRowResident;
+  } else if (o.variant == "pipelined") {
+    t.norm_variant = qops::kNormVariantPipelined;
+  } else {
+    QOPS_CHECK_VALUE(o.variant == "auto", op, "variant must be auto, rowres or pipelined, got '",
+                     std::string(o.variant), "'");
   }
-  if (const char* v = std::getenv("QOPS_NORM_PIPE_STAGES")) t.pipe_stages = std::atoi(v);
+  QOPS_CHECK_VALUE(o.pipe_stages == 0 || o.pipe_stages == 2 || o.pipe_stages == 3, op,
+                   "pipe_stages must be 0 (the kernel's choice), 2 or 3, got ", o.pipe_stages);
+  t.pipe_stages = static_cast<int>(o.pipe_stages);
   return t;
 }
 
 template <typename T>
 std::tuple<at::Tensor, at::Tensor> run(const char* op, const at::Tensor& input,
                                        at::Tensor* residual, const at::Tensor& weight,
-                                       double epsilon, const std::optional<at::Tensor>& scale) {
+                                       double epsilon, const std::optional<at::Tensor>& scale,
+                                       const qops::FusedQuantTuning& tuning) {
   const int64_t H = input.size(-1);
   const int64_t rows = input.numel() / H;
   const int64_t in_stride = qops_glue::row_stride(input, op, "input");
@@ -60,7 +62,7 @@ std::tuple<at::Tensor, at::Tensor> run(const char* op, const at::Tensor& input,
           residual ? static_cast<T*>(residual->data_ptr()) : nullptr, res_stride,
           static_cast<const T*>(weight.data_ptr()), out.data_ptr<int8_t>(),
           scales.data_ptr<float>(), scale ? scale->data_ptr<float>() : nullptr, rows, H,
-          static_cast<float>(epsilon), c10::cuda::getCurrentCUDAStream(), norm_tuning(op)),
+          static_cast<float>(epsilon), c10::cuda::getCurrentCUDAStream(), tuning),
       op);
   return {out, scales};
 }
@@ -68,7 +70,8 @@ std::tuple<at::Tensor, at::Tensor> run(const char* op, const at::Tensor& input,
 std::tuple<at::Tensor, at::Tensor> norm_common(const char* op, const at::Tensor& input,
                                                at::Tensor* residual, const at::Tensor& weight,
                                                double epsilon,
-                                               const std::optional<at::Tensor>& scale) {
+                                               const std::optional<at::Tensor>& scale,
+                                               const NormOptions& options) {
   check_cuda(input, op, "input");
   check_half(input, op, "input");
   QOPS_CHECK_VALUE(input.dim() >= 1 && input.size(-1) > 0, op,
@@ -93,22 +96,27 @@ std::tuple<at::Tensor, at::Tensor> norm_common(const char* op, const at::Tensor&
                    op, "hidden size ", H, " is larger than this kernel supports (",
                    qops::kRmsNormMaxHiddenVec, " with 16-byte aligned rows, ",
                    qops::kRmsNormMaxHiddenScalar, " otherwise)");
+  const qops::FusedQuantTuning tuning = norm_tuning(op, options);
   const c10::cuda::CUDAGuard guard(input.device());
   if (input.scalar_type() == at::kHalf)
-    return run<__half>(op, input, residual, weight, epsilon, scale);
-  return run<__nv_bfloat16>(op, input, residual, weight, epsilon, scale);
+    return run<__half>(op, input, residual, weight, epsilon, scale, tuning);
+  return run<__nv_bfloat16>(op, input, residual, weight, epsilon, scale, tuning);
 }
 
-std::tuple<at::Tensor, at::Tensor> rms_norm_quant_cuda(const at::Tensor& input,
-                                                       const at::Tensor& weight, double epsilon,
-                                                       const std::optional<at::Tensor>& scale) {
-  return norm_common("rms_norm_quant", input, nullptr, weight, epsilon, scale);
+std::tuple<at::Tensor, at::Tensor> rms_norm_quant_cuda(
+    const at::Tensor& input, const at::Tensor& weight, double epsilon,
+    const std::optional<at::Tensor>& scale, bool enable_pdl, c10::string_view variant,
+    int64_t pipe_stages, int64_t threads_per_row, int64_t cluster) {
+  return norm_common("rms_norm_quant", input, nullptr, weight, epsilon, scale,
+                     {enable_pdl, variant, pipe_stages, threads_per_row, cluster});
 }
 
 std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm_quant_cuda(
     const at::Tensor& input, at::Tensor& residual, const at::Tensor& weight, double epsilon,
-    const std::optional<at::Tensor>& scale) {
-  return norm_common("fused_add_rms_norm_quant", input, &residual, weight, epsilon, scale);
+    const std::optional<at::Tensor>& scale, bool enable_pdl, c10::string_view variant,
+    int64_t pipe_stages, int64_t threads_per_row, int64_t cluster) {
+  return norm_common("fused_add_rms_norm_quant", input, &residual, weight, epsilon, scale,
+                     {enable_pdl, variant, pipe_stages, threads_per_row, cluster});
 }
 
 }  // namespace

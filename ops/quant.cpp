@@ -22,7 +22,7 @@ void dispatch_float(const at::Tensor& t, const char* op, F&& f) {
   }
 }
 
-std::tuple<at::Tensor, at::Tensor> quant_per_token_cuda(const at::Tensor& input) {
+std::tuple<at::Tensor, at::Tensor> quant_per_token_cuda(const at::Tensor& input, bool enable_pdl) {
   constexpr const char* op = "quant_per_token";
   check_cuda(input, op, "input");
   const int64_t stride = row_stride(input, op, "input");
@@ -36,13 +36,14 @@ std::tuple<at::Tensor, at::Tensor> quant_per_token_cuda(const at::Tensor& input)
     using T = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
     check_launch(qops::quant_per_token<T>(static_cast<const T*>(input.data_ptr()), stride,
                                           out.data_ptr<int8_t>(), scales.data_ptr<float>(), rows,
-                                          cols, c10::cuda::getCurrentCUDAStream(), pdl_enabled()),
+                                          cols, c10::cuda::getCurrentCUDAStream(), enable_pdl),
                  op);
   });
   return {out, scales};
 }
 
-at::Tensor quant_per_tensor_cuda(const at::Tensor& input, const at::Tensor& scale) {
+at::Tensor quant_per_tensor_cuda(const at::Tensor& input, const at::Tensor& scale,
+                                 bool enable_pdl) {
   constexpr const char* op = "quant_per_tensor";
   check_cuda(input, op, "input");
   check_same_device(scale, input, op, "scale");
@@ -58,7 +59,7 @@ at::Tensor quant_per_tensor_cuda(const at::Tensor& input, const at::Tensor& scal
     using T = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
     check_launch(qops::quant_per_tensor<T>(static_cast<const T*>(input.data_ptr()), stride,
                                            out.data_ptr<int8_t>(), scale.data_ptr<float>(), rows,
-                                           cols, c10::cuda::getCurrentCUDAStream(), pdl_enabled()),
+                                           cols, c10::cuda::getCurrentCUDAStream(), enable_pdl),
                  op);
   });
   return out;

@@ -8,21 +8,27 @@
 
 TORCH_LIBRARY(qops, m) {
   // ---- symmetric int8 quantization --------------------------------------------------------
-  m.def("quant_per_token(Tensor input) -> (Tensor, Tensor)");
-  m.def("quant_per_tensor(Tensor input, Tensor scale) -> Tensor");
+  m.def("quant_per_token(Tensor input, *, bool enable_pdl=True) -> (Tensor, Tensor)");
+  m.def("quant_per_tensor(Tensor input, Tensor scale, *, bool enable_pdl=True) -> Tensor");
 
   // ---- RMSNorm (+ residual add) + int8 quant ----------------------------------------------
-  m.def("rms_norm_quant(Tensor input, Tensor weight, float epsilon, Tensor? scale=None)"
-        " -> (Tensor, Tensor)");
+  // Keyword-only launch options (qops.NormTuning; 0 / "auto" = the kernel's own choice).
+  m.def("rms_norm_quant(Tensor input, Tensor weight, float epsilon, Tensor? scale=None, *,"
+        " bool enable_pdl=True, str variant=\"auto\", int pipe_stages=0,"
+        " int threads_per_row=0, int cluster=0) -> (Tensor, Tensor)");
   m.def("fused_add_rms_norm_quant(Tensor input, Tensor(a!) residual, Tensor weight,"
-        " float epsilon, Tensor? scale=None) -> (Tensor, Tensor)");
+        " float epsilon, Tensor? scale=None, *, bool enable_pdl=True, str variant=\"auto\","
+        " int pipe_stages=0, int threads_per_row=0, int cluster=0) -> (Tensor, Tensor)");
 
   // ---- SiLU-and-mul + int8 quant ----------------------------------------------------------
-  m.def("silu_and_mul_quant(Tensor input, Tensor? scale=None) -> (Tensor, Tensor)");
+  m.def("silu_and_mul_quant(Tensor input, Tensor? scale=None, *, bool enable_pdl=True,"
+        " int threads_per_row=0, int cluster=0) -> (Tensor, Tensor)");
 
   // ---- int8 x int8 GEMM with dequantizing epilogue ----------------------------------------
+  // gemv_shape / gemv_early: the decode GEMV's launch (qops.GemvTuning; [] / -1 = its choice).
   m.def("w8a8_gemm(Tensor a, Tensor b, Tensor a_scale, Tensor b_scale, ScalarType out_dtype,"
-        " Tensor? bias=None, *, str config=\"auto\", bool overlap_prologue=False) -> Tensor");
+        " Tensor? bias=None, *, str config=\"auto\", bool overlap_prologue=False,"
+        " bool enable_pdl=True, int[] gemv_shape=[], int gemv_early=-1) -> Tensor");
 
   // ---- int4-weight x fp16/bf16-activation GEMM (Hopper mixed-input) -----------------------
   m.def("w4a16_prepack(Tensor weight) -> Tensor");
@@ -32,11 +38,12 @@ TORCH_LIBRARY(qops, m) {
   // ---- paged int8 KV cache ----------------------------------------------------------------
   m.def("reshape_and_cache_int8(Tensor key, Tensor value, Tensor(a!) k_cache,"
         " Tensor(b!) v_cache, Tensor(c!) k_scales, Tensor(d!) v_scales,"
-        " Tensor slot_mapping) -> ()");
+        " Tensor slot_mapping, *, bool enable_pdl=True) -> ()");
   m.def("paged_decode_attention_int8(Tensor query, Tensor k_cache, Tensor v_cache,"
         " Tensor k_scales, Tensor v_scales, Tensor block_tables, Tensor seq_lens,"
         " float sm_scale, Tensor? alibi_slopes=None, int num_splits=0,"
-        " bool overlap_prologue=False) -> Tensor");
+        " bool overlap_prologue=False, *, bool enable_pdl=True, str merge=\"auto\","
+        " int warps=0) -> Tensor");
 
   // ---- int4 KV cache (seed 002 row layout) and the split-K GQA decode ---------------------
   m.def("quantize_kv_int4(Tensor kv, int num_groups) -> Tensor");

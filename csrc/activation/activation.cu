@@ -1,12 +1,18 @@
 // SiLU-and-mul + int8 quantization kernels. See activation.h for the contract and
 // docs/norm_activation.md for the design.
 //
-// The row-resident scheme of the norm kernels (csrc/norm/fused_quant.cuh): each thread loads its
-// gate and up vectors (16 bytes each) for all of its NV slots before the first use, keeps
+// The row-resident scheme of the norm kernels (csrc/quant/fused_row_quant.cuh): each thread loads
+// its gate and up vectors (16 bytes each) for all of its NV slots before the first use, keeps
 // y = silu(g) * u in registers while the row's amax is reduced (dynamic scales), then stores the
 // int8 row (8 bytes per vector). With a static scale there is no reduction and no barrier.
 #include "activation/activation.h"
-#include "norm/fused_quant.cuh"
+#include "common/cluster.cuh"  // cluster_wait
+#include "common/convert.cuh"  // to_float
+#include "common/launch.cuh"   // pdl_wait, pdl_launch_dependents
+#include "common/memory.cuh"   // is_aligned
+#include "common/quant.cuh"    // absmax_to_scale, RowQuant
+#include "quant/fused_quant_tuning.h"
+#include "quant/fused_row_quant.cuh"
 
 namespace qops {
 namespace {
@@ -35,7 +41,7 @@ __global__ void __launch_bounds__(fq::max_threads_for(NV* VEC), fq::min_blocks_f
     silu_and_mul_quant_kernel(const ActParams p) {
   __shared__ float red[2][32];
   __shared__ float part[2];
-  pdl_wait();  // the previous kernel may write the input (common/cuda_utils.cuh)
+  pdl_wait();  // the previous kernel may write the input (common/launch.cuh)
   pdl_launch_dependents();
   const int tpr = blockDim.x;
   const int tid = threadIdx.x;
@@ -103,14 +109,14 @@ __global__ void __launch_bounds__(fq::max_threads_for(NV* VEC), fq::min_blocks_f
         for (int k = 0; k < NV; ++k) {
           const int v = v0 + tid + k * tpr;
           if (v < v1) fq::store_q_impl<true>(o + v * VEC, y[k], qz);
-          asm volatile("" ::: "memory");  // one vector at a time (registers, see norm.cu)
+          asm volatile("" ::: "memory");  // one vector at a time (registers, see norm_rowres.cu)
         }
       } else {
 #pragma unroll
         for (int k = 0; k < NV; ++k) {
           const int v = v0 + tid + k * tpr;
           if (v < v1) fq::store_q_impl<false>(o + v * VEC, y[k], qz);
-          asm volatile("" ::: "memory");  // one vector at a time (registers, see norm.cu)
+          asm volatile("" ::: "memory");  // one vector at a time (registers, see norm_rowres.cu)
         }
       }
     }

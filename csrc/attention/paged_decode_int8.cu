@@ -27,8 +27,14 @@
 //   more than a margin, a larger V scale): most chunks rescale nothing.
 #include "attention/paged_decode_int8.h"
 
-#include "common/cuda_utils.cuh"  // to_float, from_float
+#include "attention/split_merge.cuh"  // merge_weight, merge_add4, merge_inv, ..., store_out4
+#include "common/cluster.cuh"            // cluster barriers, dsmem_addr, mbarriers, st_async4/1
+#include "common/convert.cuh"            // to_float, from_float
+#include "common/cp_async.cuh"           // cp_async16, cp_async_commit, cp_async_wait, smem_addr
 #include "common/device_cache.h"
+#include "common/launch.cuh"             // pdl_wait, pdl_launch_dependents, append_pdl_attribute
+#include "common/math.cuh"               // fast_exp2
+#include "common/mma.cuh"                // mma_f16, int8 -> fp16 fragments, movmatrix, pack_f16x2
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -48,69 +54,6 @@ constexpr int kMinTokensPerSplit = 512;
 constexpr int kMinTokensPerClusterSplit = 128;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr unsigned kFull = 0xffffffffu;
-
-// ---- fragments and conversions ------------------------------------------------------------------
-__device__ __forceinline__ void mma_f16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                        uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// 4 int8 (bytes b0..b3 of w) -> half2 (b0, b1) and half2 (b2, b3), exactly: the byte (x + 128)
-// becomes the low mantissa byte of 1024.0 (0x6400), then 1152 = 1024 + 128 is subtracted.
-__device__ __forceinline__ void i8x4_to_f16x2x2(uint32_t w, uint32_t& lo, uint32_t& hi) {
-  const uint32_t u = w ^ 0x80808080u;
-  uint32_t l = __byte_perm(u, 0x64646464u, 0x5140);
-  uint32_t h = __byte_perm(u, 0x64646464u, 0x5342);
-  const uint32_t magic = 0x64806480u;  // half2(1152, 1152)
-  asm("sub.f16x2 %0, %0, %1;" : "+r"(l) : "r"(magic));
-  asm("sub.f16x2 %0, %0, %1;" : "+r"(h) : "r"(magic));
-  lo = l;
-  hi = h;
-}
-
-// byte I of int8x4 words a and b -> half2 (a_I, b_I), exactly, in three instructions: a byte
-// permute puts a_I in byte 0 and b_I in byte 2, one LOP3 keeps those bytes, flips their sign bit
-// (x -> x + 128) and sets the high bytes to 0x64 (half 1024 + (x + 128)), and one half2 subtract
-// of 1152 leaves x. All three take immediates, so no constant is re-materialized per use.
-// (The LOP3 is written out: from C++, ptxas emits an AND and an XOR, each with its immediate,
-// instead of one LOP3 that takes the magic from a register: 32 more instructions per chunk.)
-template <int I>
-__device__ __forceinline__ uint32_t i8pair_to_f16x2(uint32_t ua, uint32_t ub) {
-  constexpr uint32_t kSel = I | (I << 4) | ((4 + I) << 8) | ((4 + I) << 12);
-  const uint32_t magic = 0x64806480u;  // half2(1152, 1152)
-  uint32_t h;
-  // h = (perm & 0x00FF00FF) ^ magic
-  asm("lop3.b32 %0, %1, %2, %3, 0x6a;" : "=r"(h) : "r"(__byte_perm(ua, ub, kSel)), "n"(0x00FF00FF),
-      "r"(magic));
-  asm("sub.f16x2 %0, %0, %1;" : "+r"(h) : "r"(magic));
-  return h;
-}
-
-// The transpose of an 8x8 matrix of 16-bit values held as an mma fragment (thread lane holds row
-// lane / 4, columns 2 * (lane % 4) + {0, 1}): returns the same fragment of the transpose.
-__device__ __forceinline__ uint32_t transpose8x8_b16(uint32_t x) {
-  uint32_t y;
-  asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
-  return y;
-}
-
-// 2^x with the hardware's approximation (ex2.approx: relative error ~2^-22, the same MUFU.EX2 as
-// exp2f), flushing results below 2^-126 to 0 (exp2f spends two more instructions per call keeping
-// those subnormal; a softmax weight that small is 0 to f32 sums anyway). -inf -> 0.
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-__device__ __forceinline__ uint32_t pack_f16x2(float a, float b) {
-  __half2 h = __floats2half2_rn(a, b);
-  return *reinterpret_cast<uint32_t*>(&h);
-}
 
 template <int D>
 struct VBytes;  // the bytes of one V row a thread loads: D / 8
@@ -133,93 +76,13 @@ struct Chunk {
   bool ok;                           // the block id is valid
 };
 
-// ---- the split merge arithmetic ------------------------------------------------------------------
-// Shared by the reduce kernel and the fused merge so that both give bit-identical outputs: per
-// output element, over the non-empty splits s = 0, 1, ... in increasing order,
-//   w = exp2(lse[s] - max lse),  wsum += w,  acc = fma(w, partial_out[s], acc),
-// and out = acc * (1 / wsum) (0 when wsum is not > 0). How elements are dealt to threads does not
-// change any element's value. The exponential and the reciprocal are the approximate hardware ones
-// (ex2.approx, rcp.approx: relative errors near 2^-22): the IEEE-exact library versions cost a
-// range check, a slow-path branch and a call per element on the merge's critical path, which at
-// small batch is as long as the stream itself.
-__device__ __forceinline__ float merge_weight(float lse, float m) { return fast_exp2(lse - m); }
-__device__ __forceinline__ void merge_add(float& acc, float w, float v) { acc = __fmaf_rn(w, v, acc); }
-__device__ __forceinline__ void merge_add4(float (&acc)[4], float w, const float4& v) {
-  merge_add(acc[0], w, v.x);
-  merge_add(acc[1], w, v.y);
-  merge_add(acc[2], w, v.z);
-  merge_add(acc[3], w, v.w);
-}
-__device__ __forceinline__ float merge_inv(float wsum) {
-  return wsum > 0.f ? __fdividef(1.f, wsum) : 0.f;  // wsum <= num_splits
-}
-__device__ __forceinline__ float merge_finish(float acc, float inv) { return acc * inv; }
-
-// Four consecutive outputs as one 8-byte store (p + 4 i: 8-byte aligned).
-template <typename T>
-__device__ __forceinline__ void store_out4(T* p, const float (&v)[4]) {
-  T t[4];
-#pragma unroll
-  for (int e = 0; e < 4; ++e) t[e] = from_float<T>(v[e]);
-  *reinterpret_cast<uint2*>(p) = *reinterpret_cast<const uint2*>(t);
-}
-
-// ---- the cluster merge's mbarrier and remote stores (sm_90; cluster barriers, smem_addr and
-// dsmem_addr are in common/cuda_utils.cuh) ------------------------------------------------------
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-// Transaction-counting mbarriers (as TMA pipelines use them) and asynchronous remote stores.
-__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t arrivals) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(arrivals)
-               : "memory");
-}
-// Makes the initialization visible to the cluster's st.async complete_tx (CUTLASS's
-// fence_barrier_init), ahead of a cluster barrier.
-__device__ __forceinline__ void fence_mbar_init() {
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-}
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)),
-               "r"(bytes)
-               : "memory");
-}
-// Waits for phase `parity` of `bar` to complete; acquires at cluster scope the remote writes that
-// completed it.
-__device__ __forceinline__ void mbar_wait_cluster(uint64_t* bar, uint32_t parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred done;\n"
-      "WAIT_%=:\n"
-      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT_%=;\n"
-      "}\n" ::"r"(smem_addr(bar)),
-      "r"(parity)
-      : "memory");
-}
-// Stores to shared memory of a cluster peer (addresses from dsmem_addr), each counted as its bytes
-// on the peer's mbarrier `bar` (a dsmem_addr as well). Fire and forget: the data comes from
-// registers, and the peer learns of it through its mbarrier.
-__device__ __forceinline__ void st_async4(uint32_t dst, const float4& v, uint32_t bar) {
-  asm volatile(
-      "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];\n" ::
-          "r"(dst),
-      "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w), "r"(bar)
-      : "memory");
-}
-__device__ __forceinline__ void st_async1(uint32_t dst, float v, uint32_t bar) {
-  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];\n" ::"r"(
-                   dst),
-               "r"(__float_as_uint(v)), "r"(bar)
-               : "memory");
-}
-#endif
-
 // ---- the per-warp shared-memory pipeline ----------------------------------------------------------
 // Each warp streams its chunks through kStages stages of shared memory with cp.async (16-byte,
 // L1-bypassing), so several chunks per warp are in flight. One stage holds a 16-token chunk:
 // K [16][D] int8, V [16][D] int8 and (dynamic scales) 16 K and 16 V scales. The 16-byte column
 // chunks of row r are XOR-swizzled with swz(r) so that the fragment reads are free of bank
 // conflicts (D=128; the D=64 V reads are 2-way).
-// (cp_async16 / cp_async_commit / cp_async_wait: common/cuda_utils.cuh.)
+// (cp_async16 / cp_async_commit / cp_async_wait: common/cp_async.cuh.)
 
 __device__ __forceinline__ int swz(int r) { return ((r & 1) << 2) ^ (((r >> 1) & 3) << 1); }
 
@@ -977,6 +840,7 @@ __global__ void __launch_bounds__(NW * 32, kMinBlocksPerSm<D, kTwoRows, NW>)
 }
 
 // ---- the split merge: one warp per (sequence, query head) ----------------------------------------
+// (The merge arithmetic, shared with the fused and the cluster merge: attention/split_merge.cuh.)
 template <typename T, int D>
 __global__ void __launch_bounds__(128) paged_decode_int8_reduce_kernel(const float* partial_out,
                                                                        const float* partial_lse,

@@ -22,8 +22,11 @@
 // overlaps the weight stream.
 #include "gemm/w8a8_gemv.h"
 
-#include "common/cuda_utils.cuh"  // pdl_wait, launch_kernel
+#include "common/cp_async.cuh"  // cp_async4, cp_async_commit, cp_async_wait, smem_addr
 #include "common/device_cache.h"
+#include "common/launch.cuh"    // pdl_wait, pdl_launch_dependents, launch_kernel
+#include "common/memory.cuh"    // load_stream, load_cached
+#include "common/mma.cuh"       // mma_s8
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -52,36 +55,6 @@ struct Params {
   // through (kWholeBatch); a constant 0 would be folded away.
   int zero = 0;
 };
-
-// 16 bytes of global memory, or zeros when !pred (then `ptr` is not read; `safe` is any readable
-// address: the load is always issued, so that the scheduler can batch all of a step's loads
-// before the MMAs that consume them). The weights are streamed once (no L1 allocation); the
-// activations are re-read by every CTA (L1/L2 hits) and use the read-only path.
-__device__ __forceinline__ uint4 load_stream(const int8_t* ptr, const int8_t* safe, bool pred) {
-  uint4 v;
-  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(pred ? ptr : safe));
-  return pred ? v : make_uint4(0, 0, 0, 0);
-}
-
-__device__ __forceinline__ uint4 load_cached(const int8_t* ptr, const int8_t* safe, bool pred) {
-  uint4 v;
-  asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(pred ? ptr : safe));
-  return pred ? v : make_uint4(0, 0, 0, 0);
-}
-
-// acc (16 x 8, int32) += a (16 x 32, s8, row) * b (32 x 8, s8, col).
-__device__ __forceinline__ void mma_s8(int (&acc)[4], uint32_t a0, uint32_t a1, uint32_t a2,
-                                       uint32_t a3, uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};\n"
-      : "+r"(acc[0]), "+r"(acc[1]), "+r"(acc[2]), "+r"(acc[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
 
 template <typename OutT>
 struct Out2;
@@ -398,22 +371,31 @@ cudaError_t launch_variant(const Params& p, bool pdl, int early, cudaStream_t st
   return launch_kernel(kernel, grid, block, stream, pdl, p);
 }
 
-// The variants, kGemvShapes (docs/w8a8_gemm.md has the sweeps they were picked from; gemv_shape
-// and gemv choose): 8 rows x 4 or 8 warps with 4 or 8 chunks per load batch, and 16 rows x 8
-// warps with 2 or 4 chunks per batch (each activation load serves two row groups).
+// The variants: kGemvShapes (the generated table, cutlass_kernels/w8a8_configs.py GEMV_SHAPES;
+// docs/w8a8_gemm.md has the sweeps they were picked from; gemv_shape and gemv choose): 8 rows x 4
+// or 8 warps with 4 or 8 chunks per load batch, and 16 rows x 8 warps with 2 or 4 chunks per batch
+// (each activation load serves two row groups). Shape I is launch_variant<rows / 8, chunks, warps>.
+template <int I, bool kM16, typename OutT>
+cudaError_t launch_shape_from(const Params& p, GemvShape s, bool pdl, int early,
+                              cudaStream_t stream, int* resident) {
+  if constexpr (I == sizeof(kGemvShapes) / sizeof(kGemvShapes[0])) {
+    return cudaErrorInvalidValue;  // not in kGemvShapes
+  } else {
+    constexpr GemvShape k = kGemvShapes[I];
+    static_assert(k.rows_per_cta % 8 == 0 && k.warps % 4 == 0 && k.chunks >= 2,
+                  "GEMV_SHAPES: rows a multiple of 8, warps a multiple of 4, at least 2 chunks");
+    if (s.rows_per_cta == k.rows_per_cta && s.warps == k.warps && s.chunks == k.chunks) {
+      return launch_variant<k.rows_per_cta / 8, k.chunks, k.warps, kM16, OutT>(p, pdl, early,
+                                                                             stream, resident);
+    }
+    return launch_shape_from<I + 1, kM16, OutT>(p, s, pdl, early, stream, resident);
+  }
+}
+
 template <bool kM16, typename OutT>
 cudaError_t launch_shape(const Params& p, GemvShape s, bool pdl, int early, cudaStream_t stream,
                          int* resident) {
-  const auto is = [&](int rows, int warps, int chunks) {
-    return s.rows_per_cta == rows && s.warps == warps && s.chunks == chunks;
-  };
-  if (is(8, 4, 4)) return launch_variant<1, 4, 4, kM16, OutT>(p, pdl, early, stream, resident);
-  if (is(8, 8, 4)) return launch_variant<1, 4, 8, kM16, OutT>(p, pdl, early, stream, resident);
-  if (is(16, 8, 2)) return launch_variant<2, 2, 8, kM16, OutT>(p, pdl, early, stream, resident);
-  if (is(8, 4, 8)) return launch_variant<1, 8, 4, kM16, OutT>(p, pdl, early, stream, resident);
-  if (is(8, 8, 8)) return launch_variant<1, 8, 8, kM16, OutT>(p, pdl, early, stream, resident);
-  if (is(16, 8, 4)) return launch_variant<2, 4, 8, kM16, OutT>(p, pdl, early, stream, resident);
-  return cudaErrorInvalidValue;  // not in kGemvShapes
+  return launch_shape_from<0, kM16, OutT>(p, s, pdl, early, stream, resident);
 }
 
 // launch_shape for the build of this M (> 8 or not) and output dtype.
@@ -459,10 +441,10 @@ int64_t grid_waves(const Problem& pr, GemvShape s, bool m16, bool fp16, int earl
 //     7B down, where 3 per SM instead of 4 make two waves, 17.2 -> 20.0 us;
 //   M = 16, one batch of 4 chunks: 8B qkv 10.9 -> 10.3 us (one wave at 6 or 7 per SM); 70B-tp8
 //     gate_up, where 6 per SM instead of 7 make two waves, 22.0 -> 27.5 us.
-// pr.gemv_force_early > 0 (QOPS_GEMV_EARLY, tests) takes that minus 1 instead, clamped to the build's.
-int early_batches(const Problem& pr, GemvShape s, bool m16, bool fp16, int sm_count) {
+// forced >= 0 (GemvTuning::early_batches: tests, sweeps) takes that instead, clamped to the build's.
+int early_batches(const Problem& pr, GemvShape s, bool m16, bool fp16, int sm_count, int forced) {
   const int most = max_early_batches(m16, s.chunks, s.rows_per_cta / 8);
-  if (pr.gemv_force_early > 0) return pr.gemv_force_early - 1 < most ? pr.gemv_force_early - 1 : most;
+  if (forced >= 0) return forced < most ? forced : most;
   const int64_t plain = grid_waves(pr, s, m16, fp16, 0, sm_count);
   if (plain == 0) return m16 ? 0 : 1;  // unknown: the rule before waves were counted
   int early = 0;
@@ -520,7 +502,8 @@ GemvShape gemv_shape(int m, int n, int k, int sm_count, int resident_c4, int res
   return GemvShape{8, 4, chunks};
 }
 
-cudaError_t gemv(const Problem& pr, int sm_count, cudaStream_t stream, size_t* workspace_bytes) {
+cudaError_t gemv(const Problem& pr, const LaunchOptions& options, int sm_count, cudaStream_t stream,
+                 size_t* workspace_bytes) {
   if (workspace_bytes != nullptr) {
     *workspace_bytes = 0;
     return cudaSuccess;
@@ -531,7 +514,8 @@ cudaError_t gemv(const Problem& pr, int sm_count, cudaStream_t stream, size_t* w
     return cudaErrorInvalidValue;
   }
   const bool m16 = pr.m > 8, fp16 = pr.out_dtype == OutDtype::kFloat16;
-  GemvShape s{pr.gemv_rows_per_cta, pr.gemv_warps, pr.gemv_chunks};
+  const GemvTuning& t = options.gemv;
+  GemvShape s{t.rows_per_cta, t.warps, t.chunks};
   if (s.rows_per_cta == 0) {
     s = gemv_shape(pr.m, pr.n, pr.k, sm_count, resident_ctas(GemvShape{8, 4, 4}, m16, fp16, 0),
                    resident_ctas(GemvShape{8, 4, 8}, m16, fp16, 0));
@@ -539,10 +523,10 @@ cudaError_t gemv(const Problem& pr, int sm_count, cudaStream_t stream, size_t* w
   const Params p{pr.a,       pr.lda,   pr.b,   pr.ldb, pr.a_scale, pr.b_scale,
                  pr.bias,    pr.d,     pr.ldd, pr.m,   pr.n,       pr.k,
                  pr.scale_mode == ScaleMode::kPerTensor};
-  const bool pdl = !pr.gemv_no_pdl, promise = pdl && pr.gemv_overlap_prologue;
-  int early = promise ? early_batches(pr, s, m16, fp16, sm_count) : 0;
+  const bool pdl = options.pdl, promise = pdl && options.overlap_prologue;
+  int early = promise ? early_batches(pr, s, m16, fp16, sm_count, t.early_batches) : 0;
   // A forced shape or early count (tests, sweeps) is kept as given.
-  const bool own = pr.gemv_rows_per_cta == 0 && pr.gemv_force_early == 0;
+  const bool own = t.rows_per_cta == 0 && t.early_batches < 0;
   if (promise && m16 && early == 0 && own && two_row_groups_early(pr, s, fp16, sm_count)) {
     s = kTwoRowGroups;
     early = 1;

@@ -17,6 +17,7 @@
 #include <cstddef>
 
 #include "gemm/w8a8_sm90.h"
+#include "w8a8_gemv_shapes.h"  // generated: GemvShape, kGemvShapes
 
 namespace qops {
 namespace w8a8_sm90 {
@@ -24,24 +25,19 @@ namespace w8a8_sm90 {
 // The largest M the GEMV serves (one m16 MMA tile of rows).
 constexpr int kGemvMaxM = 16;
 
-// Runs d = dequant(a @ b^T) for p.m <= kGemvMaxM on `stream` (the generated table's launch
-// signature: `sm_count` feeds gemv_shape; with `workspace_bytes` set, reports 0 and launches
-// nothing). No allocation, no host synchronization. cudaErrorInvalidValue when p.m > kGemvMaxM
-// or the layout contract of Problem is broken (alignment, k % 16, n % 2); launch errors otherwise.
-cudaError_t gemv(const Problem& p, int sm_count, cudaStream_t stream, size_t* workspace_bytes);
+// Runs d = dequant(a @ b^T) for p.m <= kGemvMaxM on `stream` (the config table's LaunchFn:
+// `sm_count` feeds gemv_shape; with `workspace_bytes` set, reports 0 and launches nothing). Reads
+// options.pdl, options.overlap_prologue and options.gemv. No allocation, no host synchronization.
+// cudaErrorInvalidValue when p.m > kGemvMaxM, the layout contract of Problem is broken (alignment,
+// k % 16, n % 2) or options.gemv names a shape that is not built; launch errors otherwise.
+cudaError_t gemv(const Problem& p, const LaunchOptions& options, int sm_count, cudaStream_t stream,
+                 size_t* workspace_bytes);
 
-// A launch shape of the GEMV: rows of N per CTA, warps (K slices) per CTA, and 64-byte K chunks
-// each warp loads per batch before it multiplies them.
-struct GemvShape {
-  int rows_per_cta;
-  int warps;
-  int chunks;
-};
-
-// The built shapes (each a kernel instantiation; QOPS_GEMV_SHAPE can force any of them).
-// {16, 8, 4} is taken only at M > 8 under overlap_prologue (gemv in w8a8_gemv.cu).
-constexpr GemvShape kGemvShapes[] = {{8, 4, 4}, {8, 8, 4}, {16, 8, 2}, {8, 4, 8}, {8, 8, 8},
-                                     {16, 8, 4}};
+// The launch shapes (GemvShape: rows of N per CTA, warps (K slices) per CTA, 64-byte K chunks
+// each warp loads per batch before it multiplies them) are kernel instantiations built from the
+// table in cutlass_kernels/w8a8_configs.py (GEMV_SHAPES), whose generator emits kGemvShapes into
+// w8a8_gemv_shapes.h. {16, 8, 4} is taken only at M > 8 under overlap_prologue (gemv in
+// w8a8_gemv.cu).
 
 // The shape the GEMV picks for this problem (one of kGemvShapes). resident_c4 / resident_c8: the
 // resident CTAs per SM of the 8-row, 4-warp builds with 4 / 8 chunks per batch for this M and

@@ -38,20 +38,29 @@ struct Problem {
   ScaleMode scale_mode;
   void* workspace;         // device scratch of at least workspace_size() bytes (stream-K configs)
   size_t workspace_bytes;  // its size; nullptr / 0 when workspace_size() is 0
-  // The decode GEMV's launch shape (gemm/w8a8_gemv.h GemvShape), for tests and sweeps: rows of
-  // N per CTA, warps per CTA and K chunks per load batch; 0 = its own choice. The other configs
-  // ignore it.
-  int gemv_rows_per_cta;
-  int gemv_warps;
-  int gemv_chunks;
-  // The GEMV launches with programmatic dependent launch (sm_90) unless this is set.
-  bool gemv_no_pdl;
+};
+
+// How a call launches (not what it computes): the w8a8_gemm op's keyword-only options. Only the
+// hand-written decode GEMV reads them; the CUTLASS configs ignore them.
+struct GemvTuning {
+  // A launch shape of kGemvShapes (gemm/w8a8_gemv.h: rows of N per CTA, warps per CTA, K chunks
+  // per load batch) for tests and sweeps; 0, 0, 0 = the GEMV's own choice.
+  int rows_per_cta = 0;
+  int warps = 0;
+  int chunks = 0;
+  // Under overlap_prologue: the weight batches requested before the PDL wait (clamped to what the
+  // build holds); -1 = the GEMV's own choice.
+  int early_batches = -1;
+};
+
+struct LaunchOptions {
+  // Launch with programmatic dependent launch (sm_90; common/launch.cuh).
+  bool pdl = true;
   // The previous kernel in the stream does not write `b`: with PDL the GEMV requests its first
   // weight batches before it waits for that kernel (w8a8_gemm's overlap_prologue), as many as
   // its build has and its grid affords (gemm/w8a8_gemv.cu early_batches).
-  bool gemv_overlap_prologue;
-  // Tests: d + 1 forces d such batches (clamped to the build's; QOPS_GEMV_EARLY); 0 = own choice.
-  int gemv_force_early;
+  bool overlap_prologue = false;
+  GemvTuning gemv;
 };
 
 // The configs, by name (w8a8_configs.config_names(): the generated tile configs, then the
@@ -76,7 +85,14 @@ cudaError_t workspace_size(const Problem& problem, int config, size_t* bytes);
 // on the stream by every call. cudaErrorNoKernelImageForDevice on a device other than sm_90;
 // cudaErrorInvalidValue when the config index is out of range, the workspace is too small or
 // CUTLASS cannot implement the problem (alignment); launch errors otherwise.
-cudaError_t gemm(const Problem& problem, int config, cudaStream_t stream);
+cudaError_t gemm(const Problem& problem, int config, const LaunchOptions& options,
+                 cudaStream_t stream);
+
+// The launch signature every config's kernel has (the generated CUTLASS launchers and the
+// hand-written kernels of w8a8_configs.HAND_WRITTEN): with `workspace_bytes` set it stores the
+// workspace the problem needs and launches nothing.
+using LaunchFn = cudaError_t (*)(const Problem& problem, const LaunchOptions& options, int sm_count,
+                                 cudaStream_t stream, size_t* workspace_bytes);
 
 }  // namespace w8a8_sm90
 }  // namespace qops

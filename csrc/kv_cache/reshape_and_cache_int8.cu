@@ -8,7 +8,9 @@
 // bytes is written by consecutive lanes with full 16-byte stores.
 #include "kv_cache/reshape_and_cache_int8.h"
 
-#include "common/cuda_utils.cuh"  // to_float, absmax_to_scale, RowQuant, quant_pack4
+#include "common/convert.cuh"  // to_float
+#include "common/launch.cuh"   // pdl_wait, pdl_launch_dependents, launch_kernel
+#include "common/quant.cuh"    // absmax_to_scale, RowQuant, quant_pack4
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -39,7 +41,7 @@ __device__ __forceinline__ void load16(const T* p, float (&x)[kElems]) {
 }
 
 // 16 int8 of the qops convention (x / s rounded and saturated), as one 16-byte word: without a
-// division per element where the scale allows (RowQuant, common/cuda_utils.cuh; the same quotient).
+// division per element where the scale allows (RowQuant, common/quant.cuh; the same quotient).
 // kInfCheck: an element may be +-Inf on the fast path (static scales; a dynamic scale's fast path
 // has only finite elements).
 template <bool kFast, bool kInfCheck>
@@ -62,7 +64,7 @@ __device__ __forceinline__ float group_amax(const float (&x)[kElems]) {
 
 template <typename T, int LPR, bool kAligned, bool kStatic>
 __global__ void __launch_bounds__(kThreads) reshape_and_cache_int8_kernel(ReshapeAndCacheInt8Params p) {
-  pdl_wait();  // the previous kernel may write the keys, values, slots (common/cuda_utils.cuh)
+  pdl_wait();  // the previous kernel may write the keys, values, slots (common/launch.cuh)
   pdl_launch_dependents();
   const int lane_in_row = threadIdx.x % LPR;
   const int64_t row = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) / LPR;

@@ -6,7 +6,7 @@
 
 #include <cstdint>
 
-#include "norm/fused_quant_tuning.h"
+#include "quant/fused_quant_tuning.h"
 
 namespace qops {
 

@@ -5,9 +5,13 @@
 // reduction and the quantization, so the row is read from DRAM once. Other rows take a scalar
 // two-pass path (the second pass re-reads the row, normally from L2).
 //
-// Every kernel quantizes with RowQuant (common/cuda_utils.cuh): one reciprocal per scale and two
+// Every kernel quantizes with RowQuant (common/quant.cuh): one reciprocal per scale and two
 // FMAs per element instead of a division, the same correctly rounded quotient.
-#include "common/cuda_utils.cuh"
+#include "common/convert.cuh"  // to_float
+#include "common/launch.cuh"   // pdl_wait, pdl_launch_dependents, launch_kernel
+#include "common/memory.cuh"   // is_aligned
+#include "common/quant.cuh"    // absmax_to_scale, RowQuant, quant_one, quant_pack4
+#include "common/reduce.cuh"   // block_reduce_max
 #include "quant/quant.h"
 
 namespace qops {
@@ -55,7 +59,7 @@ __global__ void __launch_bounds__(VPT >= 16 ? 256 : 512)
   constexpr int E = 16 / sizeof(T);
   using Chunk = typename Int8Chunk<E>::type;
   __shared__ float smem[32];
-  pdl_wait();  // the previous kernel may write `in` (common/cuda_utils.cuh)
+  pdl_wait();  // the previous kernel may write `in` (common/launch.cuh)
   pdl_launch_dependents();
   const int64_t row = blockIdx.x;
   const uint4* row_in = reinterpret_cast<const uint4*>(in + row * in_row_stride);

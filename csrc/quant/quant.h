@@ -11,7 +11,7 @@ namespace qops {
 // out[r, c] = saturate(rne(in[r, c] / scale[r])), scale[r] = max(amax_c |in[r, c]| / 127, 1e-10).
 // `in` has `rows` rows of `cols` contiguous elements, `in_row_stride` elements apart; `out` is
 // contiguous [rows, cols]; `scales` is [rows]. T is float, __half or __nv_bfloat16.
-// pdl: launch with programmatic dependent launch (sm_90; common/cuda_utils.cuh).
+// pdl: launch with programmatic dependent launch (sm_90; common/launch.cuh).
 template <typename T>
 cudaError_t quant_per_token(const T* in, int64_t in_row_stride, int8_t* out, float* scales,
                             int64_t rows, int64_t cols, cudaStream_t stream, bool pdl = true);

@@ -2,9 +2,6 @@
 // stream and device guard, then the generated CUTLASS kernels (and the hand-written decode GEMV)
 // behind csrc/gemm/w8a8_sm90.h (cutlass_kernels/gen_w8a8.py). No kernel math here;
 // docs/w8a8_gemm.md has the design.
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
 #include <string>
 
 #include "common.h"
@@ -71,43 +68,40 @@ int config_index(c10::string_view config) {
   return -1;
 }
 
-// QOPS_GEMV_SHAPE="ROWS,WARPS,CHUNKS" forces the decode GEMV's launch shape, one of
-// w8a8::kGemvShapes (tests and sweeps cover every built shape this way; read on every call,
-// ~0.1 us). Unset: the GEMV's own choice. QOPS_GEMV_EARLY=0|1|2 forces the weight batches it
+// The op's keyword-only launch options (qops.GemvTuning below the wrapper): gemv_shape = [] (the
+// GEMV's own choice) or [ROWS, WARPS, CHUNKS], one of the built kGemvShapes (tests and sweeps
+// cover every shape this way); gemv_early = -1 (its own choice) or 0, 1, 2: the weight batches it
 // requests before the PDL wait under overlap_prologue (clamped to what the build has:
-// max_early_batches in gemm/w8a8_gemv.cu). QOPS_PDL=0 launches it without
-// programmatic dependent launch (qops_glue::pdl_enabled).
-void gemv_override(w8a8::Problem* p) {
-  p->gemv_no_pdl = !pdl_enabled();
-  const char* e = std::getenv("QOPS_GEMV_EARLY");
-  if (e != nullptr && *e != '\0') {
-    QOPS_CHECK_VALUE((e[0] == '0' || e[0] == '1' || e[0] == '2') && e[1] == '\0', kOp,
-                     "QOPS_GEMV_EARLY must be 0, 1 or 2; got '", e, "'");
-    p->gemv_force_early = e[0] - '0' + 1;
-  }
-  const char* v = std::getenv("QOPS_GEMV_SHAPE");
-  if (v == nullptr || *v == '\0') return;
-  int rows = 0, warps = 0, chunks = 0;
-  char extra = 0;
-  const bool parsed = std::sscanf(v, "%d,%d,%d%c", &rows, &warps, &chunks, &extra) == 3;
+// max_early_batches in gemm/w8a8_gemv.cu). Only the decode GEMV reads them.
+w8a8::LaunchOptions launch_options(bool enable_pdl, bool overlap_prologue,
+                                   c10::IntArrayRef gemv_shape, int64_t gemv_early) {
+  QOPS_CHECK_VALUE(gemv_early >= -1 && gemv_early <= 2, kOp,
+                   "gemv_early must be -1 (the GEMV's choice), 0, 1 or 2, got ", gemv_early);
+  w8a8::LaunchOptions o;
+  o.pdl = enable_pdl;
+  o.overlap_prologue = overlap_prologue;
+  o.gemv.early_batches = static_cast<int>(gemv_early);
+  if (gemv_shape.empty()) return o;
   bool built_shape = false;
   std::string built;
   for (const w8a8::GemvShape& s : w8a8::kGemvShapes) {
-    built_shape = built_shape || (s.rows_per_cta == rows && s.warps == warps && s.chunks == chunks);
-    built += " " + std::to_string(s.rows_per_cta) + "," + std::to_string(s.warps) + "," +
-             std::to_string(s.chunks);
+    built_shape = built_shape || (gemv_shape.size() == 3 && s.rows_per_cta == gemv_shape[0] &&
+                                  s.warps == gemv_shape[1] && s.chunks == gemv_shape[2]);
+    built += format_message(" (", s.rows_per_cta, ", ", s.warps, ", ", s.chunks, ")");
   }
-  QOPS_CHECK_VALUE(parsed && built_shape, kOp, "QOPS_GEMV_SHAPE must be ROWS,WARPS,CHUNKS, one of",
-                   built, "; got '", v, "'");
-  p->gemv_rows_per_cta = rows;
-  p->gemv_warps = warps;
-  p->gemv_chunks = chunks;
+  QOPS_CHECK_VALUE(built_shape, kOp, "gemv_shape must be (rows, warps, chunks), one of", built,
+                   "; got ", gemv_shape);
+  o.gemv.rows_per_cta = static_cast<int>(gemv_shape[0]);
+  o.gemv.warps = static_cast<int>(gemv_shape[1]);
+  o.gemv.chunks = static_cast<int>(gemv_shape[2]);
+  return o;
 }
 
 at::Tensor w8a8_gemm_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_scale,
                           const at::Tensor& b_scale, at::ScalarType out_dtype,
                           const std::optional<at::Tensor>& bias, c10::string_view config,
-                          bool overlap_prologue) {
+                          bool overlap_prologue, bool enable_pdl, c10::IntArrayRef gemv_shape,
+                          int64_t gemv_early) {
   check_cuda(a, kOp, "a");
   check_same_device(b, a, kOp, "b");
   check_operand(a, "a", "[M, K]");
@@ -133,6 +127,8 @@ at::Tensor w8a8_gemm_cuda(const at::Tensor& a, const at::Tensor& b, const at::Te
     check_contiguous(*bias, kOp, "bias");
   }
   const int cfg = config_index(config);
+  const w8a8::LaunchOptions options =
+      launch_options(enable_pdl, overlap_prologue, gemv_shape, gemv_early);
   if (cfg >= 0 && w8a8::config_max_m(cfg) > 0) {
     QOPS_CHECK_VALUE(M <= w8a8::config_max_m(cfg), kOp, "config '", std::string(config),
                      "' serves M <= ", w8a8::config_max_m(cfg), ", got M = ", M);
@@ -166,8 +162,6 @@ at::Tensor w8a8_gemm_cuda(const at::Tensor& a, const at::Tensor& b, const at::Te
   p.k = static_cast<int>(K);
   p.out_dtype = out_dtype == at::kHalf ? w8a8::OutDtype::kFloat16 : w8a8::OutDtype::kBFloat16;
   p.scale_mode = per_tensor ? w8a8::ScaleMode::kPerTensor : w8a8::ScaleMode::kPerTokenPerChannel;
-  if (M <= w8a8::kGemvMaxM) gemv_override(&p);  // only the GEMV reads it: no getenv for larger M
-  p.gemv_overlap_prologue = overlap_prologue;
   // Stream-K configs need scratch for partial accumulators; it comes from the caching allocator
   // (inside CUDA-graph capture: the graph's pool), as vLLM does, and the kernel re-initializes it.
   size_t workspace_bytes = 0;
@@ -178,7 +172,7 @@ at::Tensor w8a8_gemm_cuda(const at::Tensor& a, const at::Tensor& b, const at::Te
     p.workspace = workspace.data_ptr();
     p.workspace_bytes = workspace_bytes;
   }
-  if (err == cudaSuccess) err = w8a8::gemm(p, cfg, current_stream());
+  if (err == cudaSuccess) err = w8a8::gemm(p, cfg, options, current_stream());
   TORCH_CHECK_NOT_IMPLEMENTED(err != cudaErrorNoKernelImageForDevice,
                               format_message("qops.", kOp, ": the CUDA kernels are built for sm_90a "
                                              "(Hopper) only; ", a.device(), " is another architecture"));

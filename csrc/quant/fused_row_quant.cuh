@@ -1,5 +1,7 @@
 // Device helpers shared by the fused "math + int8 quant" kernels of the norm and activation
-// families (csrc/norm/norm.cu, csrc/activation/activation.cu). Torch-free.
+// families (csrc/norm/norm_rowres.cu, csrc/norm/norm_pipelined.cu, csrc/activation/activation.cu):
+// vector loads and stores, the row quantizer's packed stores, row and cluster reductions, and the
+// row-resident launch shape and launch. Torch-free.
 //
 // Row-resident design (docs/norm_activation.md): a row is owned by `threads_per_row` threads (a
 // multiple of 32, blockDim.x) and a block holds `rows_per_block` rows (blockDim.y). Each thread
@@ -15,8 +17,11 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "common/cuda_utils.cuh"
+#include "common/cluster.cuh"   // cluster_arrive, cluster_wait, dsmem_addr
+#include "common/cp_async.cuh"  // smem_addr
 #include "common/device_cache.h"
+#include "common/launch.cuh"    // append_pdl_attribute
+#include "common/quant.cuh"     // RowQuant, quant_one, quant_pack4
 
 namespace qops {
 namespace fq {
@@ -165,7 +170,7 @@ __device__ __forceinline__ void warp_reduce_sum_max(float& sum, float& mx) {
 // warp_partials reduces each warp and leaves its (sum, max) in `red` (2 x 32 floats: at most 32
 // warps per block); after the barrier, reduce_partials gives any warp of the row the row's
 // (sum, max), every warp the same bitwise (the partials are re-reduced in the same order). A
-// kernel where one warp finishes the row alone calls them directly (norm.cu).
+// kernel where one warp finishes the row alone calls them directly (norm/norm_rowres.cu).
 template <bool kSum, bool kMax>
 __device__ __forceinline__ void store_partials(float sum, float mx, float (*red)[32]) {
   if ((threadIdx.x & 31) == 0) {
@@ -205,7 +210,7 @@ __device__ __forceinline__ void row_reduce(float& sum, float& mx, float (*red)[3
 // cluster barrier every thread sums the partials of ranks 0..cluster-1 in rank order, so every CTA
 // of the row gets bitwise-identical results. The caller must call cluster_exit_wait() before it
 // exits (a peer may still be reading this CTA's partial); cluster_arrive() here releases it.
-// (cluster_arrive, cluster_wait, smem_addr, dsmem_addr: common/cuda_utils.cuh.)
+// (cluster_arrive, cluster_wait, dsmem_addr: common/cluster.cuh; smem_addr: common/cp_async.cuh.)
 
 template <bool kSum, bool kMax>
 __device__ __forceinline__ void cluster_reduce(float& sum, float& mx, float* part, int cluster) {

@@ -1,10 +1,11 @@
-// Launch-shape override shared by the fused "math + int8 quant" kernels (norm/, activation/).
+// Launch options of the fused "math + int8 quant" kernels (norm/, activation/): the ops' keyword-only
+// arguments enable_pdl and tuning (qops.NormTuning / qops.FusedQuantTuning), packed by the glue.
 // Torch-free and CUDA-free: the glue includes it.
 #pragma once
 
 namespace qops {
 
-// RMSNorm kernel variant (FusedQuantTuning::norm_variant; QOPS_NORM_VARIANT in the glue).
+// RMSNorm kernel variant (FusedQuantTuning::norm_variant; the norm ops' `variant` argument).
 constexpr int kNormVariantAuto = 0;         // the launcher's rule (csrc/norm/norm.cu)
 constexpr int kNormVariantRowResident = 1;  // one row per CTA (slice), registers only ("rowres")
 constexpr int kNormVariantPipelined = 2;    // persistent CTAs, cp.async row ring ("pipelined")
@@ -16,7 +17,7 @@ struct FusedQuantTuning {
   // Norm only (the activation kernels ignore them):
   int norm_variant = kNormVariantAuto;  // a forced variant that does not fit falls back to rowres
   int pipe_stages = 0;                  // pipelined ring depth (2 or 3); 0 = choose
-  // Launch with programmatic dependent launch (common/cuda_utils.cuh; the glue clears it for
+  // Launch with programmatic dependent launch (common/launch.cuh; the glue clears it for
   // QOPS_PDL=0).
   bool pdl = true;
 };
