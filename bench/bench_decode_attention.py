@@ -18,15 +18,18 @@ cache write of each sequence's new token (``reshape_and_cache_int8`` into positi
 then followed by the attention, default and overlapped. `step_overlap_us - write_us` is what the
 attention adds to a step.
 
-At the small-batch rows (B = 1 and 8) the int8 kernel is also timed on each split-merge path: the
-cluster merge (QOPS_DECODE_CLUSTER_MERGE, through distributed shared memory, one launch -- the
-default where the splits fit a cluster), the merge fused into the split kernel through a
-workspace and counters (QOPS_DECODE_FUSED_REDUCE=1, one launch), and the split kernel + reduce
-kernel (=0); the ratios cluster / unfused and fused / unfused are printed (< 1: faster than two
-kernels). `int8_us` is always the path the environment selects.
+At the small-batch rows (B = 1 and 8) the int8 kernel is also timed on each split-merge path
+(``tuning=qops.DecodeTuning(merge=...)``): the cluster merge ("cluster", through distributed shared
+memory, one launch -- the default where the splits fit a cluster), the merge fused into the split
+kernel through a workspace and counters ("fused", one launch), and the split kernel + reduce kernel
+("separate", the `unfused_us` column); the ratios cluster / unfused and fused / unfused are printed
+(< 1: faster than two kernels). `int8_us` (and the overlap, step and split-sweep times) are always
+the path ``--merge`` selects (default "auto", the glue's rule), named in the `merge` column.
 
-    python bench/bench_decode_attention.py [--out DIR] [--quick] [--no-merge-compare] [--no-sweep]
-        [--models smollm2-135m,...] [--batches 1,8] [--contexts 4096]
+Run from the repository root:
+
+    python -m bench.bench_decode_attention [--out DIR] [--quick] [--no-merge-compare] [--no-sweep]
+        [--models smollm2-135m,...] [--batches 1,8] [--contexts 4096] [--merge auto]
 """
 from __future__ import annotations
 
@@ -40,37 +43,33 @@ import torch
 import torch.nn.functional as F
 
 import qops
-from qops.bench_utils import (bar_plot, bench_us, copy_bandwidth_gbps, env_vars, gbps,
-                              l2_rotation_sets, print_table, write_csv)
+from bench.shapes import ATTENTION_MODELS
+from qops.attention import MERGES
+from qops.testing import bar_plot, bench_us, copy_bandwidth_gbps, gbps, l2_rotation_sets, print_table, write_csv
 
-MODELS = {  # name: (HQ, HKV, D)
-    "llama3-8b-gqa": (32, 8, 128),
-    "llama2-7b-mha": (32, 32, 128),
-    "smollm2-135m": (9, 3, 64),
-}
+MODELS = ATTENTION_MODELS  # name: (HQ, HKV, D)
 DTYPE = torch.bfloat16
 BLOCK = 16
 MEM_LIMIT = 56 << 30  # bytes of input sets alive at once (the int8 sets are freed before SDPA's)
-FUSED_ENV = "QOPS_DECODE_FUSED_REDUCE"  # "0": split kernel + reduce kernel; "1": fused; unset: by rule
-CLUSTER_ENV = "QOPS_DECODE_CLUSTER_MERGE"  # "0": no cluster merge; unset/"1": where it fits
 MERGE_COMPARE_BATCHES = (1, 8)
+# The split-merge paths compared at MERGE_COMPARE_BATCHES: column prefix -> DecodeTuning.merge.
+COMPARED_PATHS = {"cluster": "cluster", "fused": "fused", "unfused": "separate"}
 
 
-def merge_policy() -> str:
-    c = os.environ.get(CLUSTER_ENV)
-    v = os.environ.get(FUSED_ENV)
-    base = {"0": "two kernels (forced)", "1": "fused (forced)"}.get(
-        v, "fused for head_dim 128 and contexts >= 4096, else two kernels")
-    if c == "0":
+def merge_policy(merge: str = "auto") -> str:
+    """What the split merge ``merge`` (a DecodeTuning.merge) does, in words."""
+    base = {"fused": "fused (forced)", "separate": "two kernels (forced)"}.get(
+        merge, "fused for head_dim 128 and contexts >= 4096, else two kernels" if merge == "auto"
+        else "two kernels")
+    if merge in ("fused", "separate"):
         return base
     return f"cluster merge where the splits fit a cluster (<= 16), else {base}"
 
 
-def merge_path(path: str):
-    """Selects the split-merge path ("cluster", "fused", "unfused") of the calls made (and of the
-    graphs captured) inside."""
-    return env_vars({CLUSTER_ENV: "1" if path == "cluster" else "0",
-                     FUSED_ENV: "1" if path == "fused" else "0"})
+def merge_path(path: str) -> qops.DecodeTuning:
+    """The launch options that select a split-merge path: a DecodeTuning.merge ("auto", "cluster",
+    "fused", "separate") or "unfused" (= "separate", this benchmark's column name)."""
+    return qops.DecodeTuning(merge=COMPARED_PATHS.get(path, path))
 
 
 def int8_problem(B, HQ, HKV, D, lens, seed, block_size=BLOCK):
@@ -151,8 +150,9 @@ def bench_sdpa(B, HQ, HKV, D, T, n_sets):
     return best
 
 
-def run_config(model, B, T, copy_bw, splits_sweep=(), merge_compare=False):
-    """One (model, B, T) row; ``splits_sweep``: split counts to time as well (forced)."""
+def run_config(model, B, T, copy_bw, splits_sweep=(), merge_compare=False, merge="auto"):
+    """One (model, B, T) row; ``splits_sweep``: split counts to time as well (forced); ``merge``:
+    the split merge (DecodeTuning.merge) of every time but the merge comparison's."""
     HQ, HKV, D = MODELS[model]
     lens = [T] * B
     set_bytes_i8 = 2 * B * HKV * T * D
@@ -167,11 +167,11 @@ def run_config(model, B, T, copy_bw, splits_sweep=(), merge_compare=False):
     sets = [int8_problem(B, HQ, HKV, D, lens, seed=i) for i in range(n_i8)]
     sm = D ** -0.5
 
-    def make(i, ns=0, overlap=False):
+    def make(i, ns=0, overlap=False, tuning=merge_path(merge)):
         a = sets[i]
         return lambda: qops.paged_decode_attention_int8(*a, sm, num_splits=ns,
-                                                        overlap_prologue=overlap)
-    us = bench_us(make, n_i8)  # the path the environment (or the glue's rule) selects
+                                                        overlap_prologue=overlap, tuning=tuning)
+    us = bench_us(make, n_i8)  # the path --merge selects (default: the glue's rule)
     # As the Llama calls it (after the cache write, which writes only the new tokens): the
     # prologue's reads overlap the previous kernel's tail. Here the previous kernel is the
     # previous call, which writes only its output, so the promise holds.
@@ -187,18 +187,15 @@ def run_config(model, B, T, copy_bw, splits_sweep=(), merge_compare=False):
     step_overlap_us = bench_us(lambda i: step(i, True), n_i8)
     cluster_us = fused_us = unfused_us = None
     if merge_compare:  # every merge path, same inputs
-        with merge_path("cluster"):
-            cluster_us = bench_us(make, n_i8)
-        with merge_path("fused"):
-            fused_us = bench_us(make, n_i8)
-        with merge_path("unfused"):
-            unfused_us = bench_us(make, n_i8)
+        cluster_us = bench_us(lambda i: make(i, tuning=merge_path("cluster")), n_i8)
+        fused_us = bench_us(lambda i: make(i, tuning=merge_path("fused")), n_i8)
+        unfused_us = bench_us(lambda i: make(i, tuning=merge_path("unfused")), n_i8)
     sweep = []
     if splits_sweep:
         for ns in splits_sweep:
             if ns * 16 > T:
                 break
-            sweep.append({"model": model, "B": B, "T": T, "num_splits": ns,
+            sweep.append({"model": model, "B": B, "T": T, "merge": merge, "num_splits": ns,
                           "us": bench_us(lambda i, ns=ns: make(i, ns), n_i8),
                           "overlap_us": bench_us(lambda i, ns=ns: make(i, ns, True), n_i8)})
     del sets
@@ -207,7 +204,7 @@ def run_config(model, B, T, copy_bw, splits_sweep=(), merge_compare=False):
     nbytes = int8_bytes(B, HQ, HKV, D, lens)
     bw = gbps(nbytes, us)
     row = {
-        "model": model, "B": B, "T": T, "HQ": HQ, "HKV": HKV, "D": D,
+        "model": model, "B": B, "T": T, "HQ": HQ, "HKV": HKV, "D": D, "merge": merge,
         "int8_us": us, "int8_GBps": bw, "frac_copy_bw": bw / copy_bw,
         "sdpa_us": s_us, "sdpa_backend": s_name,
         "sdpa_GBps": gbps(set_bytes_16, s_us) if s_us < float("inf") else 0.0,
@@ -226,7 +223,7 @@ def run_config(model, B, T, copy_bw, splits_sweep=(), merge_compare=False):
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="bench/out")
     ap.add_argument("--quick", action="store_true", help="a few configs only")
     ap.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of MODELS")
@@ -236,16 +233,19 @@ def main():
     ap.add_argument("--splits", default="1,2,4,8,16,32,64,128",
                     help="the split counts of the sweeps (ascending)")
     ap.add_argument("--no-merge-compare", action="store_true",
-                    help=f"do not also time the other split-merge path at B in {MERGE_COMPARE_BATCHES}")
+                    help=f"do not also time the other split-merge paths at B in {MERGE_COMPARE_BATCHES}")
+    ap.add_argument("--merge", default="auto", choices=MERGES,
+                    help="the split merge (qops.DecodeTuning.merge) of int8_us and the other times "
+                         "(default: auto, the glue's rule)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
-        print("needs CUDA")
-        return 0
+        print("bench.bench_decode_attention: needs a CUDA device (it times the CUDA kernel)", file=sys.stderr)
+        return 1
     torch.backends.cuda.matmul.allow_tf32 = False
     copy_bw = copy_bandwidth_gbps()
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-          f"copy bandwidth {copy_bw:.0f} GB/s (read + write); split merge: "
-          f"{merge_policy()}")
+          f"copy bandwidth {copy_bw:.0f} GB/s (read + write); split merge {args.merge!r}: "
+          f"{merge_policy(args.merge)}")
     Bs = tuple(int(x) for x in args.batches.split(","))
     Ts = tuple(int(x) for x in args.contexts.split(","))
     models = args.models.split(",")
@@ -263,7 +263,7 @@ def main():
                                                or (model == "smollm2-135m" and B == 32))
                 compare = B in MERGE_COMPARE_BATCHES and not args.no_merge_compare
                 row, sw = run_config(model, B, T, copy_bw, merge_compare=compare,
-                                     splits_sweep=splits if sweep else ())
+                                     splits_sweep=splits if sweep else (), merge=args.merge)
                 if row is None:
                     continue
                 rows.append(row)
@@ -285,7 +285,8 @@ def main():
     g = torch.Generator().manual_seed(0)
     lens = torch.randint(1, 16384, (32,), generator=g).tolist()
     sets = [int8_problem(32, HQ, HKV, D, lens, seed=i) for i in range(2)]
-    us = bench_us(lambda i: (lambda: qops.paged_decode_attention_int8(*sets[i], D ** -0.5)), 2)
+    tuning = merge_path(args.merge)
+    us = bench_us(lambda i: (lambda: qops.paged_decode_attention_int8(*sets[i], D ** -0.5, tuning=tuning)), 2)
     bw = gbps(int8_bytes(32, HQ, HKV, D, lens), us)
     print(f"variable lengths (llama3-8b-gqa, B=32, lens 1..16383, mean {sum(lens) / 32:.0f}): "
           f"{us:.1f} us, {bw:.0f} GB/s ({100 * bw / copy_bw:.0f}% copy)")
@@ -302,7 +303,7 @@ def main():
     bar_plot(rows, "label", ["int8_us", "sdpa_us"], "paged int8 decode vs SDPA (bf16)", "us",
              os.path.join(args.out, "decode_attention.png"))
     print("\n== paged_decode_attention_int8 vs SDPA (bf16 K/V)")
-    print_table(rows, ["model", "B", "T", "int8_us", "int8_GBps", "frac_copy_bw", "sdpa_us",
+    print_table(rows, ["model", "B", "T", "merge", "int8_us", "int8_GBps", "frac_copy_bw", "sdpa_us",
                        "sdpa_backend", "speedup_vs_sdpa", "overlap_us", "overlap_frac_copy_bw",
                        "overlap_vs_sdpa", "write_us", "step_us", "step_overlap_us"])
     merged = [r for r in rows if r["fused_over_unfused"] != ""]

@@ -9,7 +9,9 @@ with the same timing: at a few MB a call's fixed latency dominates any kernel, a
 ``frac_same_size_copy`` (that copy's time over the write's) says how close the write comes to the
 cheapest kernel of its size.
 
-    python bench/bench_kv_cache.py [--out DIR]
+Run from the repository root:
+
+    python -m bench.bench_kv_cache [--out DIR]
 """
 from __future__ import annotations
 
@@ -20,12 +22,13 @@ import sys
 import torch
 
 import qops
-from qops.bench_utils import (bar_plot, bench_us, copy_bandwidth_gbps, gbps, l2_rotation_sets,
-                              print_table, write_csv)
+from bench.shapes import MODELS
+from qops.testing import bar_plot, bench_us, copy_bandwidth_gbps, gbps, l2_rotation_sets, print_table, write_csv
 
 DTYPE = torch.bfloat16
-SHAPES = {"llama3-8b (8 kv heads)": (8, 128), "llama2-7b (32 heads)": (32, 128),
-          "smollm2 (3 kv heads)": (3, 64)}
+# label: (H_kv, D), e.g. "llama3-8b (8 kv heads)": (8, 128), from bench/shapes.py.
+SHAPES = {f"{name} ({m.kv_heads} {'kv heads' if m.kv_heads < m.heads else 'heads'})": (m.kv_heads, m.head_dim)
+          for name, m in ((n, MODELS[n]) for n in ("llama3-8b", "llama2-7b", "smollm2"))}
 
 
 def make_set(T, H, D, block_size, static, seed):
@@ -53,12 +56,12 @@ def moved_bytes(T, H, D, static):
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="bench/out")
     args = ap.parse_args()
     if not torch.cuda.is_available():
-        print("needs CUDA")
-        return 0
+        print("bench.bench_kv_cache: needs a CUDA device (it times the CUDA kernel)", file=sys.stderr)
+        return 1
     copy_bw = copy_bandwidth_gbps()
     print(f"device: {torch.cuda.get_device_name()}, copy bandwidth {copy_bw:.0f} GB/s (read + write)")
     rows = []

@@ -9,8 +9,13 @@ the cache, or ``--fill prefill``), then time ``--steps`` greedy decode steps (me
 a synchronized step). Reports tokens/s (batch / step time), time per output token (the step time),
 peak CUDA memory, KV-cache bytes per token, and how many sequences fit at a memory budget.
 
-    python bench/bench_llama_decode.py [--models smollm2,llama2-7b] [--batches 1,16,64]
+Run from the repository root:
+
+    python -m bench.bench_llama_decode [--models smollm2,llama2-7b] [--batches 1,16,64]
         [--contexts 512,2048] [--cuda-graph] [--out DIR]
+
+The model shapes are bench/shapes.py's ``MODELS``. ``QOPS_PDL=0`` set before the run (read once at
+``import qops``, :mod:`qops.envs`) times the whole qops model without programmatic dependent launch.
 
 Writes ``llama_decode.csv``, ``llama_decode.md`` and ``llama_decode.png`` to ``--out``.
 """
@@ -26,20 +31,13 @@ from pathlib import Path
 import torch
 
 import qops
+from bench.shapes import MODELS
 from qops.llama import QuantConfig, quantize
 from qops.llama.eval import format_table
 from qops.llama.timing import time_hf_decode, time_qops_decode
 
-LLAMA2_7B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                 num_attention_heads=32, num_key_value_heads=32, head_dim=128, rms_norm_eps=1e-5,
-                 rope_theta=10000.0, max_position_embeddings=4096, tie_word_embeddings=False)
-SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-               num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5,
-               rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True)
-TINY = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-5,
-            rope_theta=10000.0, max_position_embeddings=4096, tie_word_embeddings=False)
-SHAPES = {"llama2-7b": LLAMA2_7B, "smollm2": SMOLLM2, "tiny": TINY}
+# The models this benchmark builds: LlamaConfig keyword arguments (bench/shapes.py).
+SHAPES = {name: MODELS[name].hf_config() for name in ("llama2-7b", "smollm2", "tiny")}
 
 
 def random_hf_model(shape: dict, device, dtype):

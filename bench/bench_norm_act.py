@@ -5,36 +5,36 @@ Reports the time per call (CUDA-graph replay, median, several input sets so that
 flatter), GB/s of the bytes that must move (each input read once, each output written once), the
 fraction of the measured device-to-device copy bandwidth, and the ratio to torch.compile.
 
-    python bench/bench_norm_act.py --out bench/out            # the table, then the variants
-    python bench/bench_norm_act.py --out bench/out --sweep    # plus launch-shape sweeps
-    python bench/bench_norm_act.py --variants-only            # only the norm variant comparison
+Run from the repository root:
 
-The norm ops have two kernels (csrc/norm/norm.cu): "rowres" (one row per CTA, registers only) and
+    python -m bench.bench_norm_act --out bench/out            # the table, then the variants
+    python -m bench.bench_norm_act --out bench/out --sweep    # plus launch-shape sweeps
+    python -m bench.bench_norm_act --variants-only            # only the norm variant comparison
+
+The norm ops have two kernels (csrc/norm/norm_rowres.cu, norm_pipelined.cu): "rowres" (one row per CTA, registers only) and
 "pipelined" (persistent CTAs streaming rows through a cp.async shared-memory ring); the launcher
-picks one by a rule, and QOPS_NORM_VARIANT=rowres|pipelined (read on every call, so a CUDA graph
-captures the variant set when it is recorded) forces either. The variant table times both (the
-pipelined kernel also with its ring forced 2 and 3 deep, QOPS_NORM_PIPE_STAGES) at T in
-{4096, 16384} and H in {4096, 8192, 576}, prints rowres / pipelined, and names the kernel the
-rule picks ("auto").
+picks one by a rule, and ``tuning=qops.NormTuning(variant="rowres"|"pipelined")`` forces either
+(per call, so a CUDA graph captures the variant of the calls it records). The variant table times
+both (the pipelined kernel also with its ring forced 2 and 3 deep, ``NormTuning.pipe_stages``) at T
+in {4096, 16384} and H in {4096, 8192, 576}, prints rowres / pipelined, and names the kernel the
+rule picks ("auto"). The sweep forces the launch shapes (``threads_per_row``, ``cluster``) through
+``qops.NormTuning`` / ``qops.FusedQuantTuning``.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import torch
 
 import qops
-from qops.bench_utils import bar_plot, bench_us, copy_bandwidth_gbps, gbps, l2_rotation_sets, print_table, write_csv
+from bench.shapes import NORM_ACT_MODELS
 from qops.quantization import absmax_scale, quantize_int8
+from qops.testing import bar_plot, bench_us, copy_bandwidth_gbps, gbps, l2_rotation_sets, print_table, write_csv
 
 TOKENS = [1, 16, 128, 4096, 16384]
-MODELS = {  # name: (hidden H, intermediate I)
-    "llama2-7b": (4096, 11008),
-    "llama3-8b": (4096, 14336),
-    "llama2-70b": (8192, 28672),
-    "smollm2": (576, 1536),
-}
+MODELS = NORM_ACT_MODELS  # name: (hidden H, intermediate I)
 EPS = 1e-5
 
 
@@ -56,20 +56,17 @@ def _silu_dyn(x):
     return quantize_int8(y, s.unsqueeze(-1)), s
 
 
-_ENV_KEYS = ("QOPS_FQ_TPR", "QOPS_FQ_CLUSTER", "QOPS_NORM_VARIANT", "QOPS_NORM_PIPE_STAGES")
+def _tuning(op, variant="auto", tpr=0, cluster=0, stages=0):
+    """The launch options of one op's calls: qops.FusedQuantTuning for SiLU-and-mul (one kernel),
+    qops.NormTuning for the norms; "auto" / 0 = the kernel's own choice."""
+    if op.startswith("silu"):
+        return qops.FusedQuantTuning(threads_per_row=tpr, cluster=cluster)
+    return qops.NormTuning(variant=variant, pipe_stages=stages, threads_per_row=tpr, cluster=cluster)
 
 
-def _env(tpr=None, cluster=None, variant=None, stages=None):
-    """Set (or clear, for None) the launch-shape / variant overrides the CUDA glue reads per call."""
-    for k, v in zip(_ENV_KEYS, (tpr, cluster, variant, stages)):
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = str(v)
-
-
-def bench_case(op, T, H, dtype, compiled=None, replays=50):
-    """Returns (us, compile_us or None, bytes moved)."""
+def bench_case(op, T, H, dtype, compiled=None, replays=50, tuning=None):
+    """Returns (us, compile_us or None, bytes moved). ``tuning``: the qops calls' launch options
+    (see _tuning; None: the defaults)."""
     e = dtype.itemsize
     if op.startswith("silu"):
         per_set = T * 2 * H * e
@@ -90,10 +87,10 @@ def bench_case(op, T, H, dtype, compiled=None, replays=50):
 
     def mk(i):
         if op.startswith("silu"):
-            return lambda: qops.silu_and_mul_quant(xs[i], s)
+            return lambda: qops.silu_and_mul_quant(xs[i], s, tuning=tuning)
         if op.startswith("add"):
-            return lambda: qops.fused_add_rms_norm_quant(xs[i], rs[i], w, EPS, s)
-        return lambda: qops.rms_norm_quant(xs[i], w, EPS, s)
+            return lambda: qops.fused_add_rms_norm_quant(xs[i], rs[i], w, EPS, s, tuning=tuning)
+        return lambda: qops.rms_norm_quant(xs[i], w, EPS, s, tuning=tuning)
 
     us = bench_us(mk, n_sets, replays=replays)
     cus = None
@@ -133,7 +130,8 @@ def table(args, dtype, copy):
 
 
 def _shape_grid(op, T):
-    """(variant, tpr, cluster, stages) overrides swept for one case; all None/0 = auto first."""
+    """(variant, tpr, cluster, stages) launch options swept for one case; "auto" / 0 (the kernel's
+    own choice) first."""
     grid = [("auto", 0, 0, 0)]
     rowres = "rowres" if not op.startswith("silu") else "auto"  # silu has one kernel
     for tpr in (0, 128, 256, 512, 1024):
@@ -151,8 +149,8 @@ def _shape_grid(op, T):
 
 
 def sweep(args, dtype, copy):
-    """Launch-shape sweep at the target shapes: QOPS_FQ_TPR / QOPS_FQ_CLUSTER (0 = auto) for the
-    row-resident kernels, QOPS_FQ_TPR / QOPS_NORM_PIPE_STAGES for the pipelined norm kernel."""
+    """Launch-shape sweep at the target shapes: threads_per_row / cluster (0 = auto) for the
+    row-resident kernels, threads_per_row / pipe_stages for the pipelined norm kernel."""
     cases = [("add_norm_dyn", 4096, 4096), ("norm_dyn", 4096, 4096), ("add_norm_dyn", 16384, 4096),
              ("add_norm_dyn", 4096, 8192), ("norm_dyn", 16384, 8192), ("add_norm_dyn", 16384, 576),
              ("silu_dyn", 4096, 14336), ("silu_dyn", 4096, 11008), ("silu_dyn", 4096, 28672),
@@ -164,9 +162,9 @@ def sweep(args, dtype, copy):
         best = None
         auto = None
         for variant, tpr, cl, stages in _shape_grid(op, T):
-            _env(tpr or None, cl or None, None if variant == "auto" else variant, stages or None)
             try:
-                us, _, moved = bench_case(op, T, size, dtype, None, replays=20)
+                us, _, moved = bench_case(op, T, size, dtype, None, replays=20,
+                                          tuning=_tuning(op, variant, tpr, cl, stages))
             except (RuntimeError, ValueError) as e:  # a shape that does not fit
                 print(f"sweep {op} T={T} {size} {variant} tpr={tpr} cluster={cl} stages={stages}: "
                       f"{str(e).splitlines()[0][:80]}")
@@ -178,7 +176,6 @@ def sweep(args, dtype, copy):
                 auto = r
             if best is None or us < best["us"]:
                 best = r
-        _env()
         if best is None:
             continue
         print(f"sweep best {op} T={T} {size}: {best['variant']} tpr={best['tpr']} cluster={best['cluster']} "
@@ -220,21 +217,18 @@ def _auto_kernel(op, T, H, dtype):
 
 
 def variants(args, dtype, copy):
-    """Both norm kernels (forced with QOPS_NORM_VARIANT) at the many-row shapes; ratio = rowres time /
+    """Both norm kernels (forced with NormTuning.variant) at the many-row shapes; ratio = rowres time /
     pipelined time (> 1: pipelined is faster)."""
-    saved = {k: os.environ.get(k) for k in _ENV_KEYS}
     rows = []
     for H in VARIANT_HIDDEN:
         for T in VARIANT_TOKENS:
             for op in VARIANT_OPS:
                 r = {"op": op, "T": T, "H": H}
-                for name, variant, stages in (("rowres", "rowres", None), ("pipelined", "pipelined", None),
+                for name, variant, stages in (("rowres", "rowres", 0), ("pipelined", "pipelined", 0),
                                               ("pipelined_s2", "pipelined", 2), ("pipelined_s3", "pipelined", 3)):
-                    _env(variant=variant, stages=stages)
-                    us, _, moved = bench_case(op, T, H, dtype, None)
+                    us, _, moved = bench_case(op, T, H, dtype, None, tuning=_tuning(op, variant, stages=stages))
                     r[f"{name}_us"] = us
                     r[f"{name}_frac"] = gbps(moved, us) / copy
-                _env()
                 r["ratio"] = r["rowres_us"] / r["pipelined_us"]
                 r["auto"] = _auto_kernel(op, T, H, dtype)
                 rows.append(r)
@@ -243,11 +237,6 @@ def variants(args, dtype, copy):
                       f"({r['pipelined_frac']:.2f}; ring 2: {r['pipelined_s2_us']:.2f}, ring 3: "
                       f"{r['pipelined_s3_us']:.2f})  rowres/pipelined x{r['ratio']:.2f}  auto={r['auto']}",
                       flush=True)
-    for k, v in saved.items():  # back to the caller's environment
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
     write_csv(rows, os.path.join(args.out, "bench_norm_act_variants.csv"))
     print(f"norm kernel variants ({args.dtype}), copy bandwidth {copy:.0f} GB/s; ratio = rowres us / pipelined us")
     print_table(rows, ["op", "T", "H", "rowres_us", "rowres_frac", "pipelined_us", "pipelined_frac",
@@ -264,6 +253,8 @@ def main() -> None:
     p.add_argument("--no-variants", action="store_true", help="skip the rowres / pipelined norm comparison")
     p.add_argument("--variants-only", action="store_true", help="run only the rowres / pipelined norm comparison")
     args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench.bench_norm_act: needs a CUDA device (it times the CUDA kernels)")
     os.makedirs(args.out, exist_ok=True)
     dtype = getattr(torch, args.dtype)
     copy = copy_bandwidth_gbps()

@@ -3,28 +3,33 @@
 Reports GB/s of the bytes that must move (read the input once, write int8 and the scales) and the
 fraction of the measured device-to-device copy bandwidth.
 
-    python bench/bench_quant.py --out bench/out
+Run from the repository root:
+
+    python -m bench.bench_quant --out bench/out
 """
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import torch
 
 import qops
-from qops.bench_utils import bar_plot, bench_us, copy_bandwidth_gbps, gbps, l2_rotation_sets, print_table, write_csv
 from qops.quantization import quantize_int8, quantize_per_token
+from qops.testing import bar_plot, bench_us, copy_bandwidth_gbps, gbps, l2_rotation_sets, print_table, write_csv
 
 TOKENS = [1, 16, 128, 4096, 16384]
-HIDDEN = [4096, 8192, 14336]
+HIDDEN = [4096, 8192, 14336]  # a sweep of row lengths (the Llama hidden and intermediate sizes)
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="bench/out")
     p.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16"])
     args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench.bench_quant: needs a CUDA device (it times the CUDA kernels)")
     os.makedirs(args.out, exist_ok=True)
     dtype = getattr(torch, args.dtype)
     copy = copy_bandwidth_gbps()

@@ -10,10 +10,14 @@ epilogue's cost over per-tensor at large M is a target: <= 3%). Decode rows (M <
 report the moved bytes as a fraction of the measured copy bandwidth (target: >= 0.8), for the
 plain call and for ``overlap_prologue=True`` (as the quantized Llama calls it: the GEMV requests its
 first weights before its PDL wait), the two timed interleaved.
-``--gemv-shapes`` times the decode GEMV at every launch shape it has (rows of N x warps per CTA)
-and without programmatic dependent launch, beside its own choice and the best CUTLASS config, to tune ``gemv_shape``.
+``--gemv-shapes`` times the decode GEMV at every launch shape it has (rows of N x warps per CTA x
+K chunks per batch, forced with ``tuning=qops.GemvTuning(shape=...)``) and without programmatic
+dependent launch (``enable_pdl=False``), beside its own choice and the best CUTLASS config, to tune
+``gemv_shape``. The layer shapes are bench/shapes.py's ``GEMM_LAYERS``.
 
-    python bench/bench_w8a8_gemm.py --out bench/out [--sweep] [--epilogues] [--gemv-shapes] [--quick]
+Run from the repository root:
+
+    python -m bench.bench_w8a8_gemm --out bench/out [--sweep] [--epilogues] [--gemv-shapes] [--quick]
         [--layers 8B.o,70B-tp8.qkv] [--tokens 1,17,300,1000] [--no-anchors] [--uniform-int8]
 """
 from __future__ import annotations
@@ -27,18 +31,11 @@ import torch
 import torch.nn.functional as F
 
 import qops
-from qops.bench_utils import (bench_interleaved_us, bench_us, copy_bandwidth_gbps, env_vars, line_grid_plot,
-                              l2_rotation_sets, print_table, write_csv)
+from bench.shapes import GEMM_LAYERS
+from cutlass_kernels import w8a8_configs as table
+from qops.testing import (bench_interleaved_us, bench_us, copy_bandwidth_gbps, line_grid_plot, l2_rotation_sets,
+                          print_table, write_csv)
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "cutlass_kernels"))
-import w8a8_configs as table
-
-# (layer, N, K): Llama-2-7B, Llama-3-8B, and Llama-2-70B with tensor parallelism 8.
-LAYERS = [
-    ("7B.qkv", 12288, 4096), ("7B.o", 4096, 4096), ("7B.gate_up", 22016, 4096), ("7B.down", 4096, 11008),
-    ("8B.qkv", 6144, 4096), ("8B.o", 4096, 4096), ("8B.gate_up", 28672, 4096), ("8B.down", 4096, 14336),
-    ("70B-tp8.qkv", 1280, 8192), ("70B-tp8.o", 8192, 1024), ("70B-tp8.gate_up", 7168, 8192), ("70B-tp8.down", 8192, 3584),
-]
 TOKENS = [1, 16, 64, 128, 256, 1024, 4096, 8192]
 EPILOGUE_TOKENS = [16, 1024, 4096, 8192]
 QUICK_LAYERS, QUICK_TOKENS = ["8B.o", "8B.gate_up", "8B.down"], [1, 16, 128, 4096]
@@ -58,18 +55,19 @@ def _int8(*shape):
     return (x * (127.0 / x.abs().amax(-1, keepdim=True))).round_().to(torch.int8)
 
 
-def time_ours(m, n, k, config="auto"):
+def time_ours(m, n, k, config="auto", *, enable_pdl=None, tuning=None):
     """Microseconds per call of one config (by default the one auto picks): `time_configs` with
     one variant (interleaving one graph with nothing is `bench_us`'s timing)."""
-    return time_configs(m, n, k, [config])[config]
+    return time_configs(m, n, k, [config], enable_pdl=enable_pdl, tuning=tuning)[config]
 
 
-def time_configs(m, n, k, configs) -> dict:
+def time_configs(m, n, k, configs, *, enable_pdl=None, tuning=None) -> dict:
     """Microseconds per call of each config (or "auto") on the same inputs, timed interleaved
     (`bench_interleaved_us`): configs timed one after the other drift apart with the GPU's clock
     and power state, by 10-15% on the largest shapes (8B.gate_up at M = 5000: the same tile
     count timed 922 and 1056 us in two sequential sweeps), more than the differences a pick
-    between configs is made on."""
+    between configs is made on. ``enable_pdl``, ``tuning`` (a qops.GemvTuning): every call's
+    launch options (None: the defaults)."""
     n_sets = l2_rotation_sets(m * k + n * k + 2 * m * n)
     sets = [(_int8(m, k), _int8(n, k), torch.rand(m, device="cuda") * 0.02, torch.rand(n, device="cuda") * 1e-3)
             for _ in range(n_sets)]
@@ -78,8 +76,8 @@ def time_configs(m, n, k, configs) -> dict:
         name, _, flag = config.partition("/")  # "auto/overlap": overlap_prologue=True
         def make(i):
             a, b, sa, sb = sets[i]
-            return lambda: qops.w8a8_gemm(a, b, sa, sb, OUT, config=name,
-                                          overlap_prologue=flag == "overlap")
+            return lambda: qops.w8a8_gemm(a, b, sa, sb, OUT, config=name, overlap_prologue=flag == "overlap",
+                                          enable_pdl=enable_pdl, tuning=tuning)
         return make
 
     return bench_interleaved_us({c: maker(c) for c in configs}, n_sets)
@@ -177,25 +175,23 @@ def time_fp8(m, n, k):
         return math.nan
 
 
-# The built launch shapes (csrc/gemm/w8a8_gemv.h kGemvShapes): rows of N, warps, K chunks per batch.
+# The built launch shapes (w8a8_configs.GEMV_SHAPES): rows of N, warps, K chunks per batch.
 GEMV_SHAPES = table.gemv_launch_shapes()
 GEMV_SHAPE_NAMES = [f"r{r}w{w}c{c}" for r, w, c in GEMV_SHAPES]
 
 
 def run_gemv_shapes(layers, tokens, out_dir, copy_gbps: float) -> None:
-    """The decode GEMV at every launch shape (QOPS_GEMV_SHAPE), its own choice and the best
-    CUTLASS tile config, per layer and decode M."""
+    """The decode GEMV at every launch shape (GemvTuning.shape), its own choice (also without PDL)
+    and the best CUTLASS tile config, per layer and decode M."""
     rows = []
     cutlass = [c.name for c in table.CONFIGS]
     for layer, n, k in layers:
         for m in [t for t in tokens if t <= table.config_max_m("gemv")]:
             moved = m * k + n * k + 2 * m * n + 4 * (m + n)
             r = {"layer": layer, "M": m, "N": n, "K": k, "gemv_us": time_ours(m, n, k, "gemv")}
-            with env_vars({"QOPS_PDL": "0"}):
-                r["no_pdl_us"] = time_ours(m, n, k, "gemv")
+            r["no_pdl_us"] = time_ours(m, n, k, "gemv", enable_pdl=False)
             for shape, name in zip(GEMV_SHAPES, GEMV_SHAPE_NAMES):
-                with env_vars({"QOPS_GEMV_SHAPE": ",".join(map(str, shape))}):
-                    r[name] = time_ours(m, n, k, "gemv")
+                r[name] = time_ours(m, n, k, "gemv", tuning=qops.GemvTuning(shape=shape))
             shapes = {name: r[name] for name in GEMV_SHAPE_NAMES}
             r["best_shape"] = min(shapes, key=shapes.get)
             r["gemv_over_best_shape"] = r["gemv_us"] / shapes[r["best_shape"]]
@@ -222,7 +218,7 @@ def main() -> None:
     p.add_argument("--sweep", action="store_true", help="also time every generated tile config")
     p.add_argument("--quick", action="store_true", help="a few shapes only")
     p.add_argument("--epilogues", action="store_true", help="also compare the epilogue variants")
-    p.add_argument("--layers", help="comma-separated layer names (default: all; see LAYERS)")
+    p.add_argument("--layers", help="comma-separated layer names (default: all; see bench/shapes.py GEMM_LAYERS)")
     p.add_argument("--tokens", help="comma-separated M values (default: %s)" % ",".join(map(str, TOKENS)))
     p.add_argument("--no-anchors", action="store_true", help="time only our kernels (with --sweep: tuning)")
     p.add_argument("--uniform-int8", action="store_true", help="uniform random int8 operands (worst-case power)")
@@ -230,15 +226,17 @@ def main() -> None:
     args = p.parse_args()
     global UNIFORM_INT8
     UNIFORM_INT8 = args.uniform_int8
-    os.makedirs(args.out, exist_ok=True)
-    layers = [l for l in LAYERS if not args.quick or l[0] in QUICK_LAYERS]
+    layers = [l for l in GEMM_LAYERS if not args.quick or l[0] in QUICK_LAYERS]
     if args.layers:
-        known = {l[0] for l in LAYERS}
+        known = {l[0] for l in GEMM_LAYERS}
         wanted = args.layers.split(",")
         unknown = sorted(set(wanted) - known)
         if unknown:
             p.error(f"unknown layers {unknown}; known: {sorted(known)}")
-        layers = [l for l in LAYERS if l[0] in wanted]
+        layers = [l for l in GEMM_LAYERS if l[0] in wanted]
+    if not torch.cuda.is_available():
+        sys.exit("bench.bench_w8a8_gemm: needs a CUDA device (it times the CUDA kernels)")
+    os.makedirs(args.out, exist_ok=True)
     tokens = QUICK_TOKENS if args.quick else TOKENS
     if args.tokens:
         tokens = [int(t) for t in args.tokens.split(",")]

@@ -2,7 +2,7 @@
 agreement against the float model, for fp16 / KV8 / W8A8 / W8A8+KV8 (dynamic and static scales,
 with and without SmoothQuant), on the Jargon File.
 
-    python bench/eval_quality.py [--out DIR] [--tokens N] [--seq-len S] [--variants ...]
+    python -m bench.eval_quality [--out DIR] [--tokens N] [--seq-len S] [--variants ...]
 
 A thin wrapper of ``python -m qops.llama.eval`` (same arguments; see its --help). Writes
 ``quality_gpu.md/.csv`` (or ``quality_cpu.*``) to ``--out``. On a GPU the default is ~300k tokens

@@ -2,16 +2,16 @@
 # One command for the lent GPU machine: install the carried wheels, build qops with CUDA, run the
 # GPU tests and the chosen benchmarks, and leave logs and CSVs under $OUT.
 #
-#   bash tools/device_run.sh [-t PYTEST_ARGS] [-b "BENCH_SCRIPT ARGS"]... [-x "CMD"]... [--no-sm90]
+#   bash tools/device_run.sh [-t PYTEST_ARGS] [-b "BENCH_MODULE ARGS"]... [-x "CMD"]... [--no-sm90]
 #                            [--sanitize "CMD"] [--no-build]
 #
 #   -t ARGS      pytest arguments (default: "-m gpu tests"); "none" skips the tests
-#   -b "S ARGS"  run `python S ARGS --out $OUT` (repeatable), e.g. -b "bench/bench_quant.py"
+#   -b "M ARGS"  run `python -m M ARGS --out $OUT` (repeatable), e.g. -b "bench.bench_quant"
 #   --no-sm90    skip the sm_90a CUTLASS kernels (much faster build when working on other kernels)
 #   --sanitize C run C under compute-sanitizer memcheck and racecheck (e.g. "python -m pytest ...")
 #   -x "CMD"     run CMD with bash (repeatable; logged as cmdN.log), e.g. an ncu profile:
 #                -x "ncu --clock-control none -k regex:rms_norm --launch-skip 2 --launch-count 1
-#                    --set full python3 bench/probe_memory_bound.py --ncu norm"
+#                    --set full python3 -m tools.probe_memory_bound --ncu norm"
 #   --no-build   reuse the extension an earlier call on the same warm machine built (the copy of the
 #                tree gets fresh timestamps, so a rebuild recompiles everything: ~3 minutes); only
 #                valid when no C++/CUDA source changed since that call
@@ -89,9 +89,9 @@ if [ -n "$SANITIZE" ]; then
   step "racecheck" racecheck.log bash -c "compute-sanitizer --tool racecheck --error-exitcode 9 $SANITIZE" || rc_all=1
 fi
 for b in "${BENCHES[@]}"; do
-  name=$(basename "${b%% *}" .py)
+  name=${b%% *}; name=${name##*.}
   # shellcheck disable=SC2086
-  step "bench $b" "$name.log" python3 $b --out "$OUT" || rc_all=1
+  step "bench $b" "$name.log" python3 -m $b --out "$OUT" || rc_all=1
 done
 i=0
 for c in "${CMDS[@]}"; do

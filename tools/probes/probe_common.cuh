@@ -1,4 +1,4 @@
-// What the standalone probes (bench/probe_*.cu) share: a CUDA return-code check, the copy
+// What the standalone probes (tools/probes/probe_*.cu) share: a CUDA return-code check, the copy
 // bandwidth they divide by, and the benchmarks' timing -- a CUDA graph of many calls (rotating over
 // input sets that spill L2, which the caller's launches arrange), replayed, median per call.
 // CUDA runtime only; each probe includes it and still compiles alone (see its header).
@@ -43,7 +43,7 @@ std::vector<float> probe_times_ms(cudaStream_t s, int reps, Run&& run) {
 }
 
 // A 1 GiB device-to-device copy, counting bytes read + written (as
-// qops.bench_utils.copy_bandwidth_gbps): the ceiling the benchmarks' "of copy" divides by.
+// qops.testing.copy_bandwidth_gbps): the ceiling the benchmarks' "of copy" divides by.
 inline double probe_copy_gbps(cudaStream_t s) {
   const size_t bytes = 1ull << 30;
   void *src, *dst;

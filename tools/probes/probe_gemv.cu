@@ -15,10 +15,12 @@
 //   M16_rRwWcC      M = 16 with each built shape forced (kGemvShapes: rows of N per CTA, warps,
 //                   chunks per load batch). Each is checked bit-identical to M16 first.
 //
-// Standalone (CUDA runtime only, sm_90; compiles the GEMV in):
-//   nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a -I csrc bench/probe_gemv.cu \
-//        -o /tmp/probe_gemv && /tmp/probe_gemv
-// On the lent GPU it needs no qops build: run that line in the device call.
+// Standalone (CUDA runtime only, sm_90; compiles the GEMV in, with the generator's plain-data
+// header w8a8_gemv_shapes.h), from the repository root:
+//   python -m cutlass_kernels.gen_w8a8 --out /tmp/qops_gen --headers-only
+//   nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a -I csrc -I /tmp/qops_gen \
+//        -I tools/probes tools/probes/probe_gemv.cu -o /tmp/probe_gemv && /tmp/probe_gemv
+// On the lent GPU it needs no qops build: run those lines in the device call.
 #include "gemm/w8a8_gemv.cu"
 
 #include <cstring>
@@ -66,14 +68,14 @@ int main() {
     bool alias;
     GemvShape shape;  // {0, 0, 0}: the GEMV's own choice
     bool overlap = false;
-    int force_early = 0;  // Problem::gemv_force_early
+    int early = -1;  // LaunchOptions::gemv.early_batches (-1: the GEMV's own choice)
   };
   std::vector<Variant> variants;
   for (const int m : {1, 8, 16}) {
     const std::string name = "M" + std::to_string(m);
     variants.push_back({name, m, false, {0, 0, 0}});
-    variants.push_back({name + "_ovl_e" + (m > 8 ? "0" : "1"), m, false, {0, 0, 0}, true, m > 8 ? 1 : 2});
-    variants.push_back({name + "_ovl", m, false, {0, 0, 0}, true, 0});
+    variants.push_back({name + "_ovl_e" + (m > 8 ? "0" : "1"), m, false, {0, 0, 0}, true, m > 8 ? 0 : 1});
+    variants.push_back({name + "_ovl", m, false, {0, 0, 0}, true, -1});
   }
   variants.push_back({"M16_alias", 16, true, {0, 0, 0}});
   for (const GemvShape s : kGemvShapes) {
@@ -123,16 +125,17 @@ int main() {
         p.k = L.k;
         p.out_dtype = OutDtype::kBFloat16;
         p.scale_mode = ScaleMode::kPerTokenPerChannel;
-        p.gemv_rows_per_cta = v.shape.rows_per_cta;
-        p.gemv_warps = v.shape.warps;
-        p.gemv_chunks = v.shape.chunks;
-        p.gemv_overlap_prologue = v.overlap;
-        p.gemv_force_early = v.force_early;
         return p;
       };
+      LaunchOptions options;  // with programmatic dependent launch (pdl = true), as the op launches
+      options.overlap_prologue = v.overlap;
+      options.gemv.rows_per_cta = v.shape.rows_per_cta;
+      options.gemv.warps = v.shape.warps;
+      options.gemv.chunks = v.shape.chunks;
+      options.gemv.early_batches = v.early;
       // Poisoned output, one call on set 0; M16 is the reference of the forced shapes.
       CK(cudaMemsetAsync(d[0], 0xff, out_bytes, st));
-      CK(gemv(problem(0), sms, st, nullptr));
+      CK(gemv(problem(0), options, sms, st, nullptr));
       CK(cudaMemcpyAsync(got.data(), d[0], out_bytes, cudaMemcpyDeviceToHost, st));
       CK(cudaStreamSynchronize(st));
       if (v.name == "M16") ref = got;
@@ -146,7 +149,7 @@ int main() {
       }
       const int calls = std::max(sets, 200 / sets * sets);
       const double us =
-          probe_graph_us(st, calls, 22, [&](int c) { CK(gemv(problem(c % sets), sms, st, nullptr)); });
+          probe_graph_us(st, calls, 22, [&](int c) { CK(gemv(problem(c % sets), options, sms, st, nullptr)); });
       printf(" %7.2f (%.2f)", us, wbytes / (us * 1e-6) / 1e9 / copy_gbps);
       fflush(stdout);
     }

@@ -12,8 +12,8 @@
 // buffer (4x each call's bytes, so L2 holds no call's data), median per call over 15 replays.
 //
 // Standalone (CUDA runtime only, sm_90):
-//   nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a bench/probe_kv_read_floor.cu \
-//        -o /tmp/probe_kv_read_floor && /tmp/probe_kv_read_floor
+//   nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a -I tools/probes \
+//        tools/probes/probe_kv_read_floor.cu -o /tmp/probe_kv_read_floor && /tmp/probe_kv_read_floor
 #include <cstdint>
 
 #include "probe_common.cuh"  // CK, probe_copy_gbps, probe_graph_us

@@ -10,8 +10,8 @@
 // ceiling the GEMM benchmark divides by. -v prints every shape.
 //
 // Standalone (CUDA runtime only, sm_90):
-//   nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a bench/probe_read_floor.cu \
-//        -o /tmp/probe_read_floor && /tmp/probe_read_floor [-v]
+//   nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a -I tools/probes \
+//        tools/probes/probe_read_floor.cu -o /tmp/probe_read_floor && /tmp/probe_read_floor [-v]
 // On the lent GPU (needs no qops build): bash tools/device_run.sh -t none --no-build \
 //   -x "nvcc ... && /tmp/probe_read_floor"
 #include <cstdint>
@@ -139,7 +139,7 @@ int main(int argc, char** argv) {
   unsigned* out; CK(cudaMalloc(&out, 4));
 
   struct Sz { const char* name; long bytes; };
-  // bench/bench_w8a8_gemm.py's LAYERS: weight bytes N x K
+  // bench/shapes.py's GEMM_LAYERS: weight bytes N x K
   std::vector<Sz> sizes = {{"70B-tp8.o", 8192L * 1024},     {"70B-tp8.qkv", 1280L * 8192},
                            {"7B/8B.o", 4096L * 4096},       {"8B.qkv", 6144L * 4096},
                            {"70B-tp8.down", 8192L * 3584},  {"7B.down", 4096L * 11008},

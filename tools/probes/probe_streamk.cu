@@ -6,12 +6,13 @@
 // a CUDA graph of 20 calls per variant, the variants' graphs replayed in turn, 30 rounds, median
 // per call.
 //
-// The kernels are emitted by bench/emit_probe_kernels.py (the library's generator code, no GPU):
-//   python3 bench/emit_probe_kernels.py --out /tmp/probe_kernels
+// The kernels are emitted by tools/emit_probe_kernels.py (the library's generator code, no GPU),
+// from the repository root:
+//   python -m tools.emit_probe_kernels --out /tmp/probe_kernels
 //   CUTLASS=$(python3 -c "import cutlass_library; print(cutlass_library.source_path)")
 //   nvcc -std=c++17 -O3 -DNDEBUG -gencode arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
-//        -I $CUTLASS/include -I $CUTLASS/tools/util/include -I /tmp/probe_kernels -I bench \
-//        bench/probe_streamk.cu -o /tmp/probe_streamk && /tmp/probe_streamk [N K M1,M2,...]
+//        -I $CUTLASS/include -I $CUTLASS/tools/util/include -I /tmp/probe_kernels -I tools/probes \
+//        tools/probes/probe_streamk.cu -o /tmp/probe_streamk && /tmp/probe_streamk [N K M1,M2,...]
 // (-DNDEBUG as in the library's Release build: without it CUTLASS's device asserts make ptxas
 // serialize the wgmma pipeline.) It needs no qops build; the binary runs on the lent GPU alone.
 #include <cuda_runtime.h>
