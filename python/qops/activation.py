@@ -5,10 +5,36 @@ activation in float32, then symmetric int8 quantization through :mod:`qops.quant
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from ._registry import HALF_DTYPES, check, check_dtype, fake, reference
+from . import envs
+from ._registry import HALF_DTYPES, check, check_dtype, check_static_scale, export, fake, reference
 from .quantization import absmax_scale, quantize_int8
+
+
+@export
+@dataclass(frozen=True)
+class FusedQuantTuning:
+    """Launch shape of the fused "math + int8 quant" kernels (SiLU-and-mul; the norms extend it as
+    :class:`qops.NormTuning`). CUDA only; the CPU reference checks and ignores it. 0 = the kernel's
+    choice (the default); a hint that does not fit the input falls back to the kernel's choice.
+
+    Attributes:
+        threads_per_row: aim for about this many threads per CTA row slice (1..1024).
+        cluster: CTAs per row: 1, 2, 4 or 8 (sm_90 thread-block clusters when > 1).
+    """
+
+    threads_per_row: int = 0
+    cluster: int = 0
+
+
+def check_fused_quant_tuning(op: str, threads_per_row: int, cluster: int) -> None:
+    check(0 <= threads_per_row <= 1024, op,
+          f"threads_per_row must be in [0, 1024] (0: the kernel's choice), got {threads_per_row}")
+    check(cluster in (0, 1, 2, 4, 8), op,
+          f"cluster must be 0 (the kernel's choice), 1, 2, 4 or 8, got {cluster}")
 
 
 def _check_args(op: str, input: torch.Tensor, scale) -> None:
@@ -21,6 +47,7 @@ def _check_args(op: str, input: torch.Tensor, scale) -> None:
         check(scale.numel() == 1, op, f"scale must hold one element (a static per-tensor scale), "
               f"got shape {tuple(scale.shape)}")
         check(scale.device == input.device, op, f"scale must be on {input.device}, got {scale.device}")
+        check_static_scale(op, "scale", scale)
 
 
 def _silu_and_mul_f32(x: torch.Tensor) -> torch.Tensor:
@@ -32,9 +59,11 @@ def _silu_and_mul_f32(x: torch.Tensor) -> torch.Tensor:
 
 
 @reference("silu_and_mul_quant")
-def _silu_and_mul_quant_ref(input: torch.Tensor, scale: torch.Tensor | None = None
+def _silu_and_mul_quant_ref(input: torch.Tensor, scale: torch.Tensor | None = None, *,
+                            enable_pdl: bool = True, threads_per_row: int = 0, cluster: int = 0
                             ) -> tuple[torch.Tensor, torch.Tensor]:
     _check_args("silu_and_mul_quant", input, scale)
+    check_fused_quant_tuning("silu_and_mul_quant", threads_per_row, cluster)
     y = _silu_and_mul_f32(input)
     if scale is None:
         s = absmax_scale(y, -1)
@@ -43,7 +72,7 @@ def _silu_and_mul_quant_ref(input: torch.Tensor, scale: torch.Tensor | None = No
 
 
 @fake("silu_and_mul_quant")
-def _silu_and_mul_quant_fake(input, scale=None):
+def _silu_and_mul_quant_fake(input, scale=None, **options):
     out_shape = (*input.shape[:-1], input.shape[-1] // 2)
     q = input.new_empty(out_shape, dtype=torch.int8)
     if scale is None:
@@ -51,7 +80,9 @@ def _silu_and_mul_quant_fake(input, scale=None):
     return q, input.new_empty((1,), dtype=torch.float32)
 
 
-def silu_and_mul_quant(input: torch.Tensor, scale: torch.Tensor | None = None
+@export
+def silu_and_mul_quant(input: torch.Tensor, scale: torch.Tensor | None = None, *,
+                       enable_pdl: bool | None = None, tuning: FusedQuantTuning | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """SiLU-and-mul (the gated MLP activation) followed by symmetric int8 quantization.
 
@@ -71,7 +102,12 @@ def silu_and_mul_quant(input: torch.Tensor, scale: torch.Tensor | None = None
             strided when they collapse into one row stride).
         scale: optional float32 tensor with one element (static per-tensor scale, read on the
             device).
+        enable_pdl: keyword-only; programmatic dependent launch (see
+            :func:`qops.rms_norm_quant`). ``None``: the :mod:`qops.envs` default (on).
+        tuning: keyword-only :class:`FusedQuantTuning` (launch shape; tests and sweeps).
     Returns:
         ``(out int8 [..., I] contiguous, scales float32 [...] (dynamic) or [1] (static))``.
     """
-    return torch.ops.qops.silu_and_mul_quant(input, scale)
+    t = tuning or FusedQuantTuning()
+    return torch.ops.qops.silu_and_mul_quant(input, scale, enable_pdl=envs.pdl(enable_pdl),
+                                             threads_per_row=t.threads_per_row, cluster=t.cluster)

@@ -8,15 +8,49 @@ and the last CTA of each head group merges the partial softmaxes; see docs/kv_ca
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
-from ._registry import HALF_DTYPES, check, check_dtype, fake, reference
+from . import envs
+from ._registry import HALF_DTYPES, check, check_dtype, export, fake, reference
 from .kv_cache import check_caches
 
 _OP = "paged_decode_attention_int8"
 HEAD_DIMS = (64, 128)
 """The head dims that the CUDA kernel supports (the reference takes any)."""
+
+
+MERGES = ("auto", "cluster", "fused", "separate")
+
+
+@export
+@dataclass(frozen=True)
+class DecodeTuning:
+    """Launch options of :func:`paged_decode_attention_int8` on CUDA (the CPU reference checks and
+    ignores them). The defaults are the kernel's own choices; tests and benchmarks force the
+    others. Every merge of the same splits gives bit-identical outputs.
+
+    Attributes:
+        merge: how the splits of a split context are merged: ``"auto"`` (the cluster merge
+            through distributed shared memory where the splits fit a cluster and the clusters fit
+            the GPU, sm_90; else the fused merge, in which the last CTA of each head group merges,
+            where it measured faster: head_dim 128 and contexts of 4096 tokens or more; else a
+            second kernel), ``"cluster"`` (the cluster merge where it fits, else a second
+            kernel), ``"fused"`` (never the cluster merge; the fused merge) or ``"separate"``
+            (never the cluster merge; a second kernel). Concurrent calls on one device that are
+            not stream-ordered (concurrently replayed graphs, unsynchronized streams) must not use
+            the fused merge, whose counters are shared per device: pass ``"separate"``.
+        warps: warps per CTA, 4 or 8; 0 chooses.
+    """
+
+    merge: str = "auto"
+    warps: int = 0
+
+
+def _check_tuning(merge: str, warps: int) -> None:
+    check(merge in MERGES, _OP, f"merge must be auto, cluster, fused or separate, got '{merge}'")
+    check(warps in (0, 4, 8), _OP, f"warps must be 0 (the kernel's choice), 4 or 8, got {warps}")
 
 
 def _check_args(query, k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens, alibi_slopes,
@@ -106,7 +140,8 @@ def decode_attention_reference(
 @reference(_OP)
 def _paged_decode_attention_int8_ref(query, k_cache, v_cache, k_scales, v_scales, block_tables,
                                      seq_lens, sm_scale, alibi_slopes=None, num_splits=0,
-                                     overlap_prologue=False):
+                                     overlap_prologue=False, *, enable_pdl=True, merge="auto", warps=0):
+    _check_tuning(merge, warps)
     _check_args(query, k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens, alibi_slopes,
                 num_splits)
     bs, num_blocks = k_cache.shape[2], k_cache.shape[0]
@@ -127,12 +162,14 @@ def _paged_decode_attention_int8_ref(query, k_cache, v_cache, k_scales, v_scales
 @fake(_OP)
 def _paged_decode_attention_int8_fake(query, k_cache, v_cache, k_scales, v_scales, block_tables,
                                       seq_lens, sm_scale, alibi_slopes=None, num_splits=0,
-                                      overlap_prologue=False):
+                                      overlap_prologue=False, *, enable_pdl=True, merge="auto", warps=0):
+    _check_tuning(merge, warps)
     _check_args(query, k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens, alibi_slopes,
                 num_splits)
     return torch.empty_like(query, memory_format=torch.contiguous_format)
 
 
+@export
 def alibi_slopes(num_heads: int) -> torch.Tensor:
     """The ALiBi slopes of Press et al. (as in BLOOM / TensorRT-LLM), float32 ``[num_heads]``."""
     p = 2 ** math.floor(math.log2(num_heads))
@@ -144,6 +181,7 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
     return torch.tensor(slopes, dtype=torch.float32)
 
 
+@export
 def paged_decode_attention_int8(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -157,6 +195,8 @@ def paged_decode_attention_int8(
     *,
     num_splits: int = 0,
     overlap_prologue: bool = False,
+    enable_pdl: bool | None = None,
+    tuning: DecodeTuning | None = None,
 ) -> torch.Tensor:
     """Single-token decode attention over the paged int8 KV cache (MHA, GQA, MQA).
 
@@ -190,12 +230,17 @@ def paged_decode_attention_int8(
             programmatic dependent launch (sm_90, split contexts) the kernel then reads those, and
             starts streaming its first K/V chunks, while that kernel finishes; only the last
             token's chunk waits for it. A false promise is a race. No effect on CPU or where PDL
-            is off (``QOPS_PDL=0``).
+            is off.
+        enable_pdl: keyword-only; launch with programmatic dependent launch (sm_90). ``None``:
+            on, unless ``QOPS_PDL=0`` was set when qops was imported (:mod:`qops.envs`).
+        tuning: keyword-only :class:`DecodeTuning` (the split merge and warps per CTA).
     Returns:
         ``[B, HQ, D]`` in the query's dtype.
     """
     if sm_scale is None:
         sm_scale = query.shape[-1] ** -0.5
+    t = tuning or DecodeTuning()
     return torch.ops.qops.paged_decode_attention_int8(
         query, k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens, float(sm_scale),
-        alibi_slopes, int(num_splits), bool(overlap_prologue))
+        alibi_slopes, int(num_splits), bool(overlap_prologue), enable_pdl=envs.pdl(enable_pdl),
+        merge=t.merge, warps=t.warps)

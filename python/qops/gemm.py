@@ -5,9 +5,12 @@ Python interface (``cutlass_kernels/``); ``docs/w8a8_gemm.md`` describes them.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from ._registry import HALF_DTYPES, check, check_dtype, fake, reference
+from . import envs
+from ._registry import HALF_DTYPES, check, check_dtype, export, fake, reference
 
 _OP = "w8a8_gemm"
 # |a * b| <= 128 * 128, so K * 2^14 < 2^31 keeps the int32 accumulator exact.
@@ -16,6 +19,30 @@ MAX_K = 131071
 
 def _name(dtype) -> str:
     return str(dtype).replace("torch.", "")
+
+
+@export
+@dataclass(frozen=True)
+class GemvTuning:
+    """Launch options of the decode GEMV that :func:`w8a8_gemm` runs at M <= 16 (CUDA; the
+    CUTLASS configs and the CPU reference ignore them). The defaults are the GEMV's own choices;
+    tests and benchmark sweeps force the others.
+
+    Attributes:
+        shape: ``(rows, warps, chunks)``, one of the built launch shapes
+            (``cutlass_kernels.w8a8_configs.GEMV_SHAPES``: rows of N per CTA, warps per CTA,
+            64-byte K chunks per load batch), or ``None``.
+        early_batches: under ``overlap_prologue``, the weight batches each warp requests before
+            the PDL wait (0, 1 or 2; clamped to what the launch shape's build holds), or ``None``.
+    """
+
+    shape: tuple[int, int, int] | None = None
+    early_batches: int | None = None
+
+
+def _check_gemv_options(gemv_shape, gemv_early) -> None:
+    check(len(gemv_shape) in (0, 3), _OP, f"gemv_shape must be (rows, warps, chunks) or empty, got {list(gemv_shape)}")
+    check(-1 <= gemv_early <= 2, _OP, f"gemv_early must be -1 (the GEMV's choice), 0, 1 or 2, got {gemv_early}")
 
 
 def _check_args(a, b, a_scale, b_scale, out_dtype, bias) -> None:
@@ -38,8 +65,9 @@ def _check_args(a, b, a_scale, b_scale, out_dtype, bias) -> None:
 
 @reference(_OP)
 def _w8a8_gemm_ref(a, b, a_scale, b_scale, out_dtype, bias=None, *, config="auto",
-                   overlap_prologue=False):
+                   overlap_prologue=False, enable_pdl=True, gemv_shape=(), gemv_early=-1):
     _check_args(a, b, a_scale, b_scale, out_dtype, bias)
+    _check_gemv_options(gemv_shape, gemv_early)
     # acc = a.int32 @ b.int32.T, computed in float64: every partial sum is an integer below
     # 2^31 < 2^53, so this is exact; .float() then rounds to nearest as int32 -> float32 does.
     acc = (a.double() @ b.double().T).float()
@@ -50,12 +78,12 @@ def _w8a8_gemm_ref(a, b, a_scale, b_scale, out_dtype, bias=None, *, config="auto
 
 
 @fake(_OP)
-def _w8a8_gemm_fake(a, b, a_scale, b_scale, out_dtype, bias=None, *, config="auto",
-                    overlap_prologue=False):
+def _w8a8_gemm_fake(a, b, a_scale, b_scale, out_dtype, bias=None, **options):
     _check_args(a, b, a_scale, b_scale, out_dtype, bias)
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
 
 
+@export
 def w8a8_gemm(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -66,6 +94,8 @@ def w8a8_gemm(
     *,
     config: str = "auto",
     overlap_prologue: bool = False,
+    enable_pdl: bool | None = None,
+    tuning: GemvTuning | None = None,
 ) -> torch.Tensor:
     """int8 GEMM with a dequantizing epilogue (W8A8 linear layer).
 
@@ -91,7 +121,12 @@ def w8a8_gemm(
             that) before it waits for that kernel (programmatic dependent launch, sm_90), so
             that their round trip runs while it finishes; it takes no more than its grid affords
             without another wave of CTAs. A false promise is a race. No effect on the result, on
-            the CUTLASS configs, on CPU or where PDL is off (``QOPS_PDL=0``).
+            the CUTLASS configs, on CPU or where PDL is off.
+        enable_pdl: keyword-only; the decode GEMV launches with programmatic dependent launch
+            (sm_90). ``None``: on, unless ``QOPS_PDL=0`` was set when qops was imported
+            (:mod:`qops.envs`). The CUTLASS configs ignore it.
+        tuning: keyword-only :class:`GemvTuning` (the decode GEMV's launch shape and early
+            batches; tests and sweeps). No effect on the result.
 
     K and N must be multiples of 16 and K at most 131071 (the int32 accumulator cannot
     overflow). Returns ``[M, N]`` in ``out_dtype``. On CUDA this runs CUTLASS kernels for Hopper
@@ -99,5 +134,8 @@ def w8a8_gemm(
     per-tensor x per-tensor scales and the per-token x per-channel case are separate
     kernels, and a mixed pair (one ``[1]``, one vector) broadcasts the ``[1]`` scale first.
     """
-    return torch.ops.qops.w8a8_gemm(a, b, a_scale, b_scale, out_dtype, bias, config=config,
-                                    overlap_prologue=bool(overlap_prologue))
+    t = tuning or GemvTuning()
+    return torch.ops.qops.w8a8_gemm(
+        a, b, a_scale, b_scale, out_dtype, bias, config=config, overlap_prologue=bool(overlap_prologue),
+        enable_pdl=envs.pdl(enable_pdl), gemv_shape=list(t.shape or ()),
+        gemv_early=-1 if t.early_batches is None else int(t.early_batches))

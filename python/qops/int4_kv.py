@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import torch
 
-from ._registry import HALF_DTYPES, check, check_dtype, fake, reference
+from ._registry import HALF_DTYPES, check, check_dtype, export, fake, reference
 
 HEAD_DIMS = (64, 128)
 NUM_GROUPS = (1, 4)
 INT4_KV_MAX = 15
+FP16_MAX = 65504.0
 
 
 def kv_int4_row_bytes(head_dim: int, num_groups: int) -> int:
@@ -40,8 +41,14 @@ def _quantize_kv_int4_ref(kv: torch.Tensor, num_groups: int) -> torch.Tensor:
     check(kv.stride(-1) == 1, op, "kv's last dimension must be contiguous (stride 1)")
 
     lead, d, g = kv.shape[:-1], kv.shape[-1], num_groups
-    x = kv.float().reshape(*lead, g, d // g)
-    lo, hi = x.amin(-1), x.amax(-1)
+    # Values are saturated to the fp16 range (bf16 holds larger ones; +-Inf saturates too), and NaN
+    # is left out of the group's min and max (it quantizes to code 0): the header stays finite.
+    x = kv.float().clamp(-FP16_MAX, FP16_MAX).reshape(*lead, g, d // g)
+    nan = torch.isnan(x)
+    lo = torch.where(nan, torch.inf, x).amin(-1)
+    hi = torch.where(nan, -torch.inf, x).amax(-1)
+    empty = torch.isinf(lo)  # every value NaN
+    lo, hi = torch.where(empty, 0.0, lo), torch.where(empty, 0.0, hi)
     shift = lo.to(torch.float16)                       # fp16(min)
     scale = ((hi - lo) / INT4_KV_MAX).to(torch.float16)  # fp16((max - min) / 15), f32 division
     s = scale.float().unsqueeze(-1)
@@ -60,6 +67,7 @@ def _quantize_kv_int4_fake(kv, num_groups):
     return kv.new_empty((*kv.shape[:-1], 4 * num_groups + kv.shape[-1] // 2), dtype=torch.uint8)
 
 
+@export
 def quantize_kv_int4(kv: torch.Tensor, num_groups: int) -> torch.Tensor:
     """Asymmetric int4 quantization of K or V heads into seed-002 rows.
 
@@ -71,8 +79,9 @@ def quantize_kv_int4(kv: torch.Tensor, num_groups: int) -> torch.Tensor:
         row   = [(scale_g, shift_g) as fp16 bytes for g in groups] + [q[2j] | q[2j+1] << 4 for j]
 
     Args:
-        kv: ``[..., D]`` float16 or bfloat16, ``D`` in {64, 128}, last dimension contiguous;
-            values within the fp16 range.
+        kv: ``[..., D]`` float16 or bfloat16, ``D`` in {64, 128}, last dimension contiguous.
+            Values outside the fp16 range (bf16, +-Inf) saturate to +-65504; NaN is ignored by the
+            group's min and max and quantizes to code 0, so the header is always finite.
         num_groups: 1 or 4 groups per row.
     Returns:
         uint8 ``[..., 4 * num_groups + D / 2]``, contiguous.
@@ -192,6 +201,7 @@ def _int4_gqa_decode_fake(query, k, v, seq_lens, sm_scale, num_groups, num_split
     return torch.empty_like(query, memory_format=torch.contiguous_format)
 
 
+@export
 def int4_gqa_decode(
     query: torch.Tensor,
     k: torch.Tensor,

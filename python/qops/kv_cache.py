@@ -14,11 +14,14 @@ slots and builds the ``block_tables`` / ``seq_lens`` tensors that
 """
 from __future__ import annotations
 
-from typing import Hashable, Sequence
+import contextlib
+import math
+from typing import Hashable, Iterator, Sequence
 
 import torch
 
-from ._registry import HALF_DTYPES, check, check_dtype, fake, reference
+from . import envs
+from ._registry import HALF_DTYPES, check, check_dtype, check_static_scale, export, fake, reference
 from .quantization import absmax_scale, quantize_int8
 
 BLOCK_SIZES = (16, 32, 64, 128)
@@ -51,6 +54,9 @@ def scale_mode(op: str, k_cache: torch.Tensor, k_scales: torch.Tensor, v_scales:
           f"{modes[0]} and v_scales {modes[1]}")
     check(k_scales.is_contiguous() and v_scales.is_contiguous(), op,
           "k_scales and v_scales must be contiguous")
+    if modes[0] == "static":
+        check_static_scale(op, "k_scales", k_scales)
+        check_static_scale(op, "v_scales", v_scales)
     return modes[0]
 
 
@@ -65,6 +71,8 @@ def check_caches(op: str, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scales
           f"v_cache must have k_cache's shape {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
     check(k_cache.is_contiguous() and v_cache.is_contiguous(), op,
           "k_cache and v_cache must be contiguous")
+    check(k_cache.shape[1] >= 1 and k_cache.shape[3] >= 1, op,
+          f"k_cache must have H_kv >= 1 and D >= 1, got shape {tuple(k_cache.shape)}")
     check(k_cache.shape[2] in BLOCK_SIZES, op,
           f"block_size (k_cache.shape[2]) must be one of {BLOCK_SIZES}, got {k_cache.shape[2]}")
     for name, t in (("v_cache", v_cache), ("k_scales", k_scales), ("v_scales", v_scales)):
@@ -97,7 +105,8 @@ def _check_write_args(key, value, k_cache, v_cache, k_scales, v_scales, slot_map
 
 # ---- reshape_and_cache_int8 ---------------------------------------------------------------------
 @reference(_OP)
-def _reshape_and_cache_int8_ref(key, value, k_cache, v_cache, k_scales, v_scales, slot_mapping) -> None:
+def _reshape_and_cache_int8_ref(key, value, k_cache, v_cache, k_scales, v_scales, slot_mapping, *,
+                                enable_pdl=True) -> None:
     mode = _check_write_args(key, value, k_cache, v_cache, k_scales, v_scales, slot_mapping)
     num_blocks, _, block_size, _ = k_cache.shape
     capacity = num_blocks * block_size
@@ -107,6 +116,10 @@ def _reshape_and_cache_int8_ref(key, value, k_cache, v_cache, k_scales, v_scales
           f"{slot_mapping[bad][:8].tolist()}")
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
+    dup = slots.unique(return_counts=True)
+    check(bool((dup[1] <= 1).all()), _OP,
+          f"slot_mapping maps several tokens to one slot: {dup[0][dup[1] > 1][:8].tolist()} (a slot holds "
+          "one token: its int8 row and its scale must come from the same token)")
     blk, off = slots // block_size, slots % block_size
     for x, cache, scales in ((key[keep], k_cache, k_scales), (value[keep], v_cache, v_scales)):
         x = x.float()  # [n, H_kv, D]
@@ -119,11 +132,13 @@ def _reshape_and_cache_int8_ref(key, value, k_cache, v_cache, k_scales, v_scales
 
 
 @fake(_OP)
-def _reshape_and_cache_int8_fake(key, value, k_cache, v_cache, k_scales, v_scales, slot_mapping) -> None:
+def _reshape_and_cache_int8_fake(key, value, k_cache, v_cache, k_scales, v_scales, slot_mapping, *,
+                                 enable_pdl=True) -> None:
     _check_write_args(key, value, k_cache, v_cache, k_scales, v_scales, slot_mapping)
     return None
 
 
+@export
 def reshape_and_cache_int8(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -132,6 +147,8 @@ def reshape_and_cache_int8(
     k_scales: torch.Tensor,
     v_scales: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    enable_pdl: bool | None = None,
 ) -> None:
     """Quantize new tokens' K and V to int8 and write them into their slots of the paged cache.
 
@@ -148,7 +165,10 @@ def reshape_and_cache_int8(
     division, NaN quantizes to 0). Slot -1 is padding: the token is skipped. Any other slot outside
     ``[0, num_blocks * block_size)`` is an error: the reference raises; the CUDA kernel never writes
     out of bounds (it skips the token) and traps in debug builds (``QOPS_DEBUG``). Two tokens mapped
-    to one slot leave either one there.
+    to one slot are an error: the reference raises; the CUDA kernel does not check (that would
+    synchronize with the host) and may then leave a mix of the two tokens in the slot. Static
+    scales must be finite and > 0 (the reference raises; the CUDA kernel reads them on the device
+    unchecked).
 
     Args:
         key, value: float16 or bfloat16 ``[T, H_kv, D]`` with a contiguous last dimension (token and
@@ -157,11 +177,15 @@ def reshape_and_cache_int8(
         k_scales, v_scales: float32 ``[num_blocks, H_kv, block_size]`` (dynamic) or ``[1]``
             (static), contiguous; both the same mode.
         slot_mapping: int64 ``[T]``.
+        enable_pdl: keyword-only; launch with programmatic dependent launch (sm_90). ``None``: on,
+            unless ``QOPS_PDL=0`` was set when qops was imported (:mod:`qops.envs`).
     """
-    torch.ops.qops.reshape_and_cache_int8(key, value, k_cache, v_cache, k_scales, v_scales, slot_mapping)
+    torch.ops.qops.reshape_and_cache_int8(key, value, k_cache, v_cache, k_scales, v_scales, slot_mapping,
+                                          enable_pdl=envs.pdl(enable_pdl))
 
 
 # ---- the cache manager --------------------------------------------------------------------------
+@export
 class BlockAllocator:
     """Block bookkeeping of a paged KV cache: which blocks each sequence owns, its length, and the
     slot mapping / block tables / lengths tensors the cache-write and decode ops take.
@@ -177,6 +201,46 @@ class BlockAllocator:
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out 0, 1, ...
         self._blocks: dict[Hashable, list[int]] = {}
         self._lens: dict[Hashable, int] = {}
+        self._journal: list[tuple] | None = None  # undo records of the open transaction
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[None]:
+        """Every ``append_slots`` and ``free`` made inside the block is undone if the block raises:
+        a failed model step leaves no slot reserved and no length grown. Nested blocks join the
+        outermost one."""
+        if self._journal is not None:
+            yield
+            return
+        self._journal = []
+        try:
+            yield
+        except BaseException:
+            self._undo(self._journal)
+            raise
+        finally:
+            self._journal = None
+
+    def _undo(self, journal: list[tuple]) -> None:
+        for record in reversed(journal):
+            if record[0] == "append":
+                _, sid, prev_len, prev_blocks = record
+                blocks = self._blocks[sid]
+                while len(blocks) > prev_blocks:
+                    self._free.append(blocks.pop())
+                if prev_len is None:
+                    del self._blocks[sid], self._lens[sid]
+                else:
+                    self._lens[sid] = prev_len
+            else:  # "free"
+                _, sid, blocks, length = record
+                for b in blocks:
+                    self._free.remove(b)
+                self._blocks[sid], self._lens[sid] = list(blocks), length
+
+    def _known(self, seq_id: Hashable, where: str) -> None:
+        if seq_id not in self._lens:
+            raise KeyError(f"{self._name}.{where}: unknown sequence id {seq_id!r} (never added, or "
+                           "already freed)")
 
     @property
     def _name(self) -> str:
@@ -190,19 +254,25 @@ class BlockAllocator:
         return list(self._lens)
 
     def seq_len(self, seq_id: Hashable) -> int:
+        self._known(seq_id, "seq_len")
         return self._lens[seq_id]
 
     def blocks(self, seq_id: Hashable) -> list[int]:
+        self._known(seq_id, "blocks")
         return list(self._blocks[seq_id])
 
-    def can_append(self, seq_ids: Sequence[Hashable], num_tokens: Sequence[int]) -> bool:
-        """True when ``append_slots(seq_ids, num_tokens)`` would find enough free blocks."""
+    def blocks_needed(self, seq_ids: Sequence[Hashable], num_tokens: Sequence[int]) -> int:
+        """New blocks that ``append_slots(seq_ids, num_tokens)`` would allocate."""
         need = 0
         for sid, n in zip(seq_ids, num_tokens):
             cur = self._lens.get(sid, 0)
             have = len(self._blocks.get(sid, ()))
             need += max(0, -(-(cur + n) // self.block_size) - have)
-        return need <= len(self._free)
+        return need
+
+    def can_append(self, seq_ids: Sequence[Hashable], num_tokens: Sequence[int]) -> bool:
+        """True when ``append_slots(seq_ids, num_tokens)`` would find enough free blocks."""
+        return self.blocks_needed(seq_ids, num_tokens) <= len(self._free)
 
     def append_slots(self, seq_ids: Sequence[Hashable], num_tokens: Sequence[int] | int = 1) -> torch.Tensor:
         """Reserve slots for ``num_tokens[i]`` new tokens at the end of sequence ``seq_ids[i]``.
@@ -211,19 +281,23 @@ class BlockAllocator:
         lengths grow by ``num_tokens``. Returns the slot mapping, int64 ``[sum(num_tokens)]`` on the
         cache's device, tokens in the order of ``seq_ids`` (the order of the rows of ``key`` and
         ``value`` given to ``write``). Raises ``RuntimeError`` (and changes nothing) when the free
-        blocks do not suffice.
+        blocks do not suffice. Inside ``transaction()`` it is undone if the block raises.
         """
         if isinstance(num_tokens, int):
             num_tokens = [num_tokens] * len(seq_ids)
         check(len(num_tokens) == len(seq_ids), f"{self._name}.append_slots",
               f"num_tokens must have {len(seq_ids)} entries, got {len(num_tokens)}")
         check(len(set(seq_ids)) == len(seq_ids), f"{self._name}.append_slots", "seq_ids must be distinct")
-        check(all(n >= 0 for n in num_tokens), f"{self._name}.append_slots", "num_tokens must be >= 0")
-        check(self.can_append(seq_ids, num_tokens), f"{self._name}.append_slots",
-              f"out of cache blocks ({len(self._free)} free of {self.num_blocks})", RuntimeError)
+        check(all(isinstance(n, int) and n >= 0 for n in num_tokens), f"{self._name}.append_slots",
+              f"num_tokens must be ints >= 0, got {list(num_tokens)}")
+        need = self.blocks_needed(seq_ids, num_tokens)
+        check(need <= len(self._free), f"{self._name}.append_slots",
+              f"out of cache blocks: {need} needed, {len(self._free)} free of {self.num_blocks}", RuntimeError)
         bs = self.block_size
         slots: list[int] = []
         for sid, n in zip(seq_ids, num_tokens):
+            if self._journal is not None:
+                self._journal.append(("append", sid, self._lens.get(sid), len(self._blocks.get(sid, ()))))
             blocks = self._blocks.setdefault(sid, [])
             cur = self._lens.setdefault(sid, 0)
             while len(blocks) * bs < cur + n:
@@ -233,9 +307,14 @@ class BlockAllocator:
         return torch.tensor(slots, dtype=torch.int64, device=self.device)
 
     def free(self, seq_id: Hashable) -> None:
-        """Return a sequence's blocks to the free list and forget it."""
-        self._free.extend(reversed(self._blocks.pop(seq_id)))
-        del self._lens[seq_id]
+        """Return a sequence's blocks to the free list and forget it (``KeyError`` for an unknown
+        or already freed sequence). Inside ``transaction()`` it is undone if the block raises."""
+        self._known(seq_id, "free")
+        blocks = self._blocks.pop(seq_id)
+        length = self._lens.pop(seq_id)
+        if self._journal is not None:
+            self._journal.append(("free", seq_id, blocks, length))
+        self._free.extend(reversed(blocks))
 
     def reset(self) -> None:
         """Free every sequence (the cache contents are left as they are)."""
@@ -246,6 +325,8 @@ class BlockAllocator:
         """int32 ``[B, max_blocks]`` block ids of the sequences, padded with 0 (never read: the
         decode reads only the first ``seq_lens[b]`` tokens). ``max_blocks`` defaults to the longest
         sequence's block count (at least 1); give a fixed value for CUDA graphs."""
+        for sid in seq_ids:
+            self._known(sid, "block_tables")
         lists = [self._blocks[sid] for sid in seq_ids]
         width = max([len(b) for b in lists] + [1]) if max_blocks is None else max_blocks
         check(all(len(b) <= width for b in lists), f"{self._name}.block_tables",
@@ -255,8 +336,11 @@ class BlockAllocator:
 
     def seq_lens(self, seq_ids: Sequence[Hashable]) -> torch.Tensor:
         """int32 ``[B]`` current lengths (including tokens whose slots were just appended)."""
+        for sid in seq_ids:
+            self._known(sid, "seq_lens")
         return torch.tensor([self._lens[sid] for sid in seq_ids], dtype=torch.int32, device=self.device)
 
+@export
 class PagedKVCache(BlockAllocator):
     """The int8 KV caches of ``num_layers`` layers, with block allocation per sequence.
 
@@ -318,7 +402,8 @@ class PagedKVCache(BlockAllocator):
         vals = [float(scale)] * self.num_layers if isinstance(scale, (int, float)) else [float(s) for s in scale]
         check(len(vals) == self.num_layers, "PagedKVCache",
               f"{name} must be a float or {self.num_layers} floats, got {len(vals)}")
-        check(all(v > 0 for v in vals), "PagedKVCache", f"{name} must be > 0, got {vals}")
+        check(all(math.isfinite(v) and v > 0 for v in vals), "PagedKVCache",
+              f"{name} must be finite and > 0, got {vals}")
         return torch.tensor(vals, dtype=torch.float32, device=self.device).reshape(self.num_layers, 1)
 
     # -- per-layer tensors

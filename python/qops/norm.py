@@ -7,10 +7,48 @@ per-tensor scale or with dynamic per-token scales.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from ._registry import HALF_DTYPES, check, check_dtype, fake, reference
+from . import envs
+from ._registry import HALF_DTYPES, check, check_dtype, check_static_scale, export, fake, reference
+from .activation import FusedQuantTuning, check_fused_quant_tuning
 from .quantization import absmax_scale, quantize_int8
+
+NORM_VARIANTS = ("auto", "rowres", "pipelined")
+
+
+@export
+@dataclass(frozen=True)
+class NormTuning(FusedQuantTuning):
+    """Launch options of the RMSNorm + quant kernels (CUDA; the CPU reference checks and ignores
+    them). The defaults are the kernels' own choices; tests and benchmark sweeps force the others.
+
+    Attributes:
+        variant: ``"auto"`` (the launcher's rule), ``"rowres"`` (one row per CTA, registers only)
+            or ``"pipelined"`` (persistent CTAs streaming rows through a cp.async shared-memory
+            ring; a forced pipelined variant that does not fit the input, e.g. unaligned rows or a
+            hidden size above 8192, runs row-resident).
+        pipe_stages: the pipelined ring's depth, 2 or 3; 0 chooses.
+        threads_per_row, cluster: see :class:`FusedQuantTuning`.
+    """
+
+    variant: str = "auto"
+    pipe_stages: int = 0
+
+
+def _check_tuning(op: str, t: NormTuning) -> None:
+    check_fused_quant_tuning(op, t.threads_per_row, t.cluster)
+    check(t.variant in NORM_VARIANTS, op, f"variant must be auto, rowres or pipelined, got '{t.variant}'")
+    check(t.pipe_stages in (0, 2, 3), op,
+          f"pipe_stages must be 0 (the kernel's choice), 2 or 3, got {t.pipe_stages}")
+
+
+def _tuning_kwargs(enable_pdl: bool | None, tuning: NormTuning | None) -> dict:
+    t = tuning or NormTuning()
+    return dict(enable_pdl=envs.pdl(enable_pdl), variant=t.variant, pipe_stages=t.pipe_stages,
+                threads_per_row=t.threads_per_row, cluster=t.cluster)
 
 
 # ---- argument checks (shared by the references; the CUDA glue makes the same checks) ------------
@@ -30,6 +68,7 @@ def _check_norm_args(op: str, input: torch.Tensor, weight: torch.Tensor, epsilon
         check(scale.numel() == 1, op, f"scale must hold one element (a static per-tensor scale), "
               f"got shape {tuple(scale.shape)}")
         check(scale.device == input.device, op, f"scale must be on {input.device}, got {scale.device}")
+        check_static_scale(op, "scale", scale)
 
 
 def _rms_norm_f32(x: torch.Tensor, weight: torch.Tensor, epsilon: float) -> torch.Tensor:
@@ -51,8 +90,12 @@ def _quantize(y: torch.Tensor, scale: torch.Tensor | None) -> tuple[torch.Tensor
 # ---- rms_norm_quant ------------------------------------------------------------------------------
 @reference("rms_norm_quant")
 def _rms_norm_quant_ref(input: torch.Tensor, weight: torch.Tensor, epsilon: float,
-                        scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        scale: torch.Tensor | None = None, *, enable_pdl: bool = True,
+                        variant: str = "auto", pipe_stages: int = 0, threads_per_row: int = 0,
+                        cluster: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     _check_norm_args("rms_norm_quant", input, weight, epsilon, scale)
+    _check_tuning("rms_norm_quant", NormTuning(threads_per_row=threads_per_row, cluster=cluster, variant=variant,
+                                 pipe_stages=pipe_stages))
     return _quantize(_rms_norm_f32(input, weight, epsilon), scale)
 
 
@@ -64,12 +107,14 @@ def _norm_fake(input, scale):
 
 
 @fake("rms_norm_quant")
-def _rms_norm_quant_fake(input, weight, epsilon, scale=None):
+def _rms_norm_quant_fake(input, weight, epsilon, scale=None, **options):
     return _norm_fake(input, scale)
 
 
+@export
 def rms_norm_quant(input: torch.Tensor, weight: torch.Tensor, epsilon: float,
-                   scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   scale: torch.Tensor | None = None, *, enable_pdl: bool | None = None,
+                   tuning: NormTuning | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm followed by symmetric int8 quantization.
 
     ``y = input.float() * torch.rsqrt(input.float().pow(2).mean(-1, keepdim=True) + epsilon)
@@ -89,19 +134,30 @@ def rms_norm_quant(input: torch.Tensor, weight: torch.Tensor, epsilon: float,
         epsilon: added to the mean square before the reciprocal square root.
         scale: optional float32 tensor with one element (a static per-tensor scale, read on the
             device: no host synchronization, CUDA-graph safe).
+        enable_pdl: keyword-only; launch with programmatic dependent launch (sm_90: the kernel
+            may start while the previous one in the stream finishes). ``None``: on, unless
+            ``QOPS_PDL=0`` was set when qops was imported (:mod:`qops.envs`). No effect on the
+            result or on CPU.
+        tuning: keyword-only :class:`NormTuning` (kernel variant and launch shape; tests and
+            sweeps). No effect on the result beyond the float32 order of the mean square.
     Returns:
         ``(out int8 [..., H] contiguous, scales float32 [...] (dynamic) or [1] (static))``.
     """
-    return torch.ops.qops.rms_norm_quant(input, weight, epsilon, scale)
+    return torch.ops.qops.rms_norm_quant(input, weight, epsilon, scale,
+                                         **_tuning_kwargs(enable_pdl, tuning))
 
 
 # ---- fused_add_rms_norm_quant --------------------------------------------------------------------
 @reference("fused_add_rms_norm_quant")
 def _fused_add_rms_norm_quant_ref(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                                  epsilon: float, scale: torch.Tensor | None = None
+                                  epsilon: float, scale: torch.Tensor | None = None, *,
+                                  enable_pdl: bool = True, variant: str = "auto", pipe_stages: int = 0,
+                                  threads_per_row: int = 0, cluster: int = 0
                                   ) -> tuple[torch.Tensor, torch.Tensor]:
     op = "fused_add_rms_norm_quant"
     _check_norm_args(op, input, weight, epsilon, scale)
+    _check_tuning(op, NormTuning(threads_per_row=threads_per_row, cluster=cluster, variant=variant,
+                                 pipe_stages=pipe_stages))
     check_dtype(residual, input.dtype, op, "residual")
     check(residual.shape == input.shape, op,
           f"residual must have the input's shape {tuple(input.shape)}, got {tuple(residual.shape)}")
@@ -115,12 +171,14 @@ def _fused_add_rms_norm_quant_ref(input: torch.Tensor, residual: torch.Tensor, w
 
 
 @fake("fused_add_rms_norm_quant")
-def _fused_add_rms_norm_quant_fake(input, residual, weight, epsilon, scale=None):
+def _fused_add_rms_norm_quant_fake(input, residual, weight, epsilon, scale=None, **options):
     return _norm_fake(input, scale)
 
 
+@export
 def fused_add_rms_norm_quant(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                             epsilon: float, scale: torch.Tensor | None = None
+                             epsilon: float, scale: torch.Tensor | None = None, *,
+                             enable_pdl: bool | None = None, tuning: NormTuning | None = None
                              ) -> tuple[torch.Tensor, torch.Tensor]:
     """Residual add (in place), RMSNorm, then symmetric int8 quantization.
 
@@ -134,7 +192,9 @@ def fused_add_rms_norm_quant(input: torch.Tensor, residual: torch.Tensor, weight
         weight: ``[H]``, the input's dtype.
         epsilon: RMSNorm epsilon.
         scale: optional float32 one-element static scale (see :func:`rms_norm_quant`).
+        enable_pdl, tuning: keyword-only launch options (see :func:`rms_norm_quant`).
     Returns:
         ``(out int8 [..., H] contiguous, scales float32 [...] (dynamic) or [1] (static))``.
     """
-    return torch.ops.qops.fused_add_rms_norm_quant(input, residual, weight, epsilon, scale)
+    return torch.ops.qops.fused_add_rms_norm_quant(input, residual, weight, epsilon, scale,
+                                                   **_tuning_kwargs(enable_pdl, tuning))

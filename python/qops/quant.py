@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from ._registry import check, check_dtype, fake, reference
+from . import envs
+from ._registry import check, check_dtype, check_static_scale, export, fake, reference
 from .quantization import quantize_int8, quantize_per_token
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -17,20 +18,21 @@ def _check_input(op: str, x: torch.Tensor) -> None:
 
 # ---- quant_per_token ---------------------------------------------------------------------------
 @reference("quant_per_token")
-def _quant_per_token_ref(input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _quant_per_token_ref(input: torch.Tensor, *, enable_pdl: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     _check_input("quant_per_token", input)
     return quantize_per_token(input.float())
 
 
 @fake("quant_per_token")
-def _quant_per_token_fake(input):
+def _quant_per_token_fake(input, *, enable_pdl=True):
     return (
         torch.empty_like(input, dtype=torch.int8, memory_format=torch.contiguous_format),
         input.new_empty(input.shape[:-1], dtype=torch.float32),
     )
 
 
-def quant_per_token(input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+@export
+def quant_per_token(input: torch.Tensor, *, enable_pdl: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic per-token symmetric int8 quantization.
 
     ``scale = clamp(input.float().abs().amax(-1) / 127, min=1e-10)``;
@@ -40,10 +42,12 @@ def quant_per_token(input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     Args:
         input: ``[..., H]`` float16, bfloat16 or float32; the last dimension must be contiguous
             (leading dimensions may be strided).
+        enable_pdl: keyword-only; programmatic dependent launch (see :func:`qops.rms_norm_quant`).
+            ``None``: the :mod:`qops.envs` default (on).
     Returns:
         ``(out int8 [..., H] contiguous, scale float32 [...])``.
     """
-    return torch.ops.qops.quant_per_token(input)
+    return torch.ops.qops.quant_per_token(input, enable_pdl=envs.pdl(enable_pdl))
 
 
 # ---- quant_per_tensor --------------------------------------------------------------------------
@@ -51,21 +55,23 @@ def _check_scale(op: str, scale: torch.Tensor, like: torch.Tensor) -> None:
     check_dtype(scale, torch.float32, op, "scale")
     check(scale.numel() == 1, op, f"scale must hold one element, got shape {tuple(scale.shape)}")
     check(scale.device == like.device, op, f"scale must be on {like.device}, got {scale.device}")
+    check_static_scale(op, "scale", scale)
 
 
 @reference("quant_per_tensor")
-def _quant_per_tensor_ref(input: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def _quant_per_tensor_ref(input: torch.Tensor, scale: torch.Tensor, *, enable_pdl: bool = True) -> torch.Tensor:
     _check_input("quant_per_tensor", input)
     _check_scale("quant_per_tensor", scale, input)
     return quantize_int8(input.float(), scale.reshape(()))
 
 
 @fake("quant_per_tensor")
-def _quant_per_tensor_fake(input, scale):
+def _quant_per_tensor_fake(input, scale, *, enable_pdl=True):
     return torch.empty_like(input, dtype=torch.int8, memory_format=torch.contiguous_format)
 
 
-def quant_per_tensor(input: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+@export
+def quant_per_tensor(input: torch.Tensor, scale: torch.Tensor, *, enable_pdl: bool | None = None) -> torch.Tensor:
     """Static per-tensor symmetric int8 quantization.
 
     ``out = (input.float() / scale).round().clamp(-128, 127).to(torch.int8)`` (round half to even;
@@ -75,7 +81,8 @@ def quant_per_tensor(input: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         input: ``[..., H]`` float16, bfloat16 or float32, last dimension contiguous.
         scale: float32 tensor with one element, on the input's device (read on the device: no
             host synchronization, CUDA-graph safe).
+        enable_pdl: keyword-only; programmatic dependent launch (see :func:`quant_per_token`).
     Returns:
         int8 ``[..., H]``, contiguous.
     """
-    return torch.ops.qops.quant_per_tensor(input, scale)
+    return torch.ops.qops.quant_per_tensor(input, scale, enable_pdl=envs.pdl(enable_pdl))

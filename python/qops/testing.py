@@ -1,5 +1,10 @@
-"""Benchmark helpers shared by bench/: timing that L2 does not flatter, the copy-bandwidth
-ceiling, and CSV / PNG output.
+"""Helpers shared by qops' tests and benchmarks (and by anyone testing or timing qops ops):
+
+- test helpers: outputs poisoned so that an unwritten element shows (``poison_``,
+  ``poison_cuda_allocator``), the kernels a call launches (``cuda_kernel_names``), and the skip
+  rule of the sm_90a GEMMs (``needs_w8a8_gemm``);
+- benchmark helpers: timing that L2 does not flatter, the copy-bandwidth ceiling, and CSV / PNG
+  output.
 
 Timing: ``bench_us(make_call, n_sets)`` builds ``n_sets`` independent input sets (so one call's
 inputs are not in L2 from the previous call), captures one CUDA graph that calls the op once per
@@ -11,15 +16,65 @@ graph of few calls charges that latency to each call (2 sets of a 25 us call: +1
 """
 from __future__ import annotations
 
-import contextlib
 import csv
 import os
 import statistics
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Sequence
 
 import torch
 
 
+# ---- test helpers -------------------------------------------------------------------------------
+def poison_(t: torch.Tensor) -> torch.Tensor:
+    """Fill ``t`` with a value no correct kernel writes (NaN for floats, a sentinel for ints)."""
+    if t.is_floating_point():
+        return t.fill_(float("nan"))
+    if t.dtype == torch.int8:
+        return t.fill_(-77)
+    return t.fill_(-7777)
+
+
+def poison_cuda_allocator(nbytes: int = 64 << 20) -> None:
+    """Fill a large block of the CUDA caching allocator with 0xA5 bytes and return it to the cache,
+    so outputs the next ops allocate start as garbage rather than as zeros left by an earlier op:
+    an element a kernel forgets to write then shows up as a mismatch. No-op without CUDA."""
+    if torch.cuda.is_available():
+        torch.empty(nbytes, dtype=torch.uint8, device="cuda").fill_(0xA5)
+
+
+def needs_w8a8_gemm() -> None:
+    """Skip the calling test (pytest) unless the w8a8_gemm CUDA kernels can run here: a CUDA device,
+    a build with the sm_90a CUTLASS kernels (QOPS_ENABLE_SM90, the default) and a Hopper (sm_90)
+    GPU. Elsewhere w8a8_gemm raises a clear NotImplementedError on CUDA tensors."""
+    import pytest
+
+    import qops
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    if not qops.has_cuda_kernel("w8a8_gemm"):
+        pytest.skip("this build has no w8a8_gemm CUDA kernel (built without sm_90a)")
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the w8a8_gemm kernels are sm_90a (Hopper) only")
+
+
+def cuda_kernel_names(fn: Callable[[], object], contains: str) -> list[str] | None:
+    """Names of the CUDA kernels ``fn`` launches whose name contains ``contains`` (torch.profiler);
+    None when the profiler records no such kernels here (no CUPTI): the caller skips."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.events() if contains in e.name]
+    except Exception:  # noqa: BLE001 - no usable profiler: the caller skips
+        return None
+    return names or None
+
+
+# ---- benchmark helpers --------------------------------------------------------------------------
 def l2_rotation_sets(bytes_per_set: int, min_sets: int = 2, max_sets: int = 32) -> int:
     """How many input sets to rotate so that together they exceed the L2 cache twice over."""
     l2 = 50 << 20
@@ -132,26 +187,6 @@ def bench_interleaved_us(
 
 
 _copy_gbps: float | None = None
-
-
-@contextlib.contextmanager
-def env_vars(values: dict[str, Optional[str]]) -> Iterator[None]:
-    """Set (None: unset) environment variables inside the block and restore them after: the
-    kernels' glue reads its tuning and path overrides (QOPS_*) at every call, so this selects them
-    for the calls made, and the CUDA graphs captured, inside."""
-    def apply(settings: dict[str, Optional[str]]) -> None:
-        for k, v in settings.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-    old = {k: os.environ.get(k) for k in values}
-    try:
-        apply(values)
-        yield
-    finally:
-        apply(old)
 
 
 def copy_bandwidth_gbps(nbytes: int = 1 << 30) -> float:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ._registry import HALF_DTYPES, check, check_dtype, fake, reference
+from ._registry import HALF_DTYPES, check, check_dtype, export, fake, reference
 
 INT4_MIN = -8
 INT4_MAX = 7
@@ -162,6 +162,7 @@ def _w4a16_prepack_fake(weight):
     return torch.empty_like(weight, memory_format=torch.contiguous_format)
 
 
+@export
 def w4a16_prepack(weight: torch.Tensor) -> torch.Tensor:
     """Reorder int4 weights once, at load time, into the format :func:`w4a16_gemm` reads.
 
@@ -230,6 +231,7 @@ def _w4a16_gemm_fake(a, weight_packed, scales, zeros, group_size):
     return a.new_empty((a.shape[0], scales.shape[0]))
 
 
+@export
 def w4a16_gemm(
     a: torch.Tensor,
     weight_packed: torch.Tensor,

