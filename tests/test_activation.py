@@ -91,6 +91,19 @@ def test_errors():
         qops.silu_and_mul_quant(x, torch.ones(1, dtype=torch.bfloat16))
 
 
+def test_tuning_errors():
+    """The CPU reference checks the launch options (FusedQuantTuning) as the CUDA glue does."""
+    x = torch.randn(4, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"qops.silu_and_mul_quant: threads_per_row must be in \[0, 1024\]"):
+        qops.silu_and_mul_quant(x, tuning=qops.FusedQuantTuning(threads_per_row=1025))
+    with pytest.raises(ValueError, match=r"qops.silu_and_mul_quant: cluster must be 0 \(the kernel's choice\), "
+                                         r"1, 2, 4 or 8, got 16"):
+        qops.silu_and_mul_quant(x, tuning=qops.FusedQuantTuning(cluster=16))
+    q, s = qops.silu_and_mul_quant(x, tuning=qops.FusedQuantTuning(threads_per_row=128, cluster=2))
+    q0, s0 = qops.silu_and_mul_quant(x)
+    assert torch.equal(q, q0) and torch.equal(s, s0)  # no effect on the result
+
+
 # ---- GPU --------------------------------------------------------------------------------------
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -217,3 +230,25 @@ def test_cuda_errors():
         qops.silu_and_mul_quant(x.float())
     with pytest.raises((ValueError, RuntimeError), match="scale must"):
         qops.silu_and_mul_quant(x, torch.ones(1))  # CPU scale with a CUDA input
+    with pytest.raises((ValueError, RuntimeError), match=r"threads_per_row must be in \[0, 1024\]"):
+        qops.silu_and_mul_quant(x, tuning=qops.FusedQuantTuning(threads_per_row=1025))
+    with pytest.raises((ValueError, RuntimeError), match="cluster must be 0"):
+        qops.silu_and_mul_quant(x, tuning=qops.FusedQuantTuning(cluster=3))
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("tpr,cluster", [(64, 0), (256, 0), (1024, 0), (0, 1), (0, 2), (128, 4), (0, 8)])
+@pytest.mark.parametrize("static", [False, True])
+def test_cuda_forced_launch_shapes(tpr, cluster, static):
+    """Launch-shape hints (FusedQuantTuning) do not change the result; one that does not fit the
+    input falls back to the kernel's own shape."""
+    tuning = qops.FusedQuantTuning(threads_per_row=tpr, cluster=cluster)
+    scale = torch.tensor([0.04], device="cuda") if static else None
+    for T, I in [(3, 14336), (17, 1536), (2, 13), (1025, 2048)]:
+        x = make(T, I, torch.bfloat16, "cuda", seed=T + I)
+        q_ref, s_ref = _silu_and_mul_quant_ref(x, scale)
+        poison_allocator(2 * T * I + 4096)
+        q, s = qops.silu_and_mul_quant(x, scale, tuning=tuning)
+        assert_q_close(q, q_ref, max_frac=2e-3)
+        torch.testing.assert_close(s, s_ref, rtol=2e-6, atol=0)

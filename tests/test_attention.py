@@ -15,24 +15,15 @@ import pytest
 import torch
 
 import qops
-from conftest import cuda_kernel_names, poison_cuda_allocator
 from qops.attention import alibi_slopes, decode_attention_reference
+from qops.testing import cuda_kernel_names, poison_cuda_allocator
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 OP = "paged_decode_attention_int8"
-# Read by the CUDA glue at every call. CLUSTER_ENV "0" turns off the cluster (distributed shared
-# memory) split merge, which is otherwise used wherever the splits fit one cluster (<= 16, sm_90);
-# then FUSED_ENV "0" selects the two-kernel split merge (split kernel + reduce kernel), "1" the
-# merge fused into the split kernel through a workspace; unset, the glue's rule picks.
-FUSED_ENV = "QOPS_DECODE_FUSED_REDUCE"
-CLUSTER_ENV = "QOPS_DECODE_CLUSTER_MERGE"
-
-
-@pytest.fixture(autouse=True)
-def _default_merge_path(monkeypatch):
-    """Every test starts on the default path (the glue's rule), whatever the caller's environment says."""
-    monkeypatch.delenv(FUSED_ENV, raising=False)
-    monkeypatch.delenv(CLUSTER_ENV, raising=False)
+# The split merge is a per-call launch option, tuning=qops.DecodeTuning(merge=...): "cluster" (the
+# distributed-shared-memory merge wherever the splits fit one cluster, <= 16 on sm_90; else the
+# two-kernel merge), "fused" (the merge fused into the split kernel through a workspace),
+# "separate" (split kernel + reduce kernel); the default "auto" is the glue's rule.
 
 
 # ---- float64 reference ---------------------------------------------------------------------------
@@ -204,6 +195,8 @@ def _bad_args(**over):
     (dict(alibi_slopes=torch.ones(3)), "alibi_slopes must be float32 \\[HQ\\]"),
     (dict(alibi_slopes=torch.ones(4, dtype=torch.float16)), "alibi_slopes must be float32"),
     (dict(num_splits=-1), "num_splits must be >= 0"),
+    (dict(tuning=qops.DecodeTuning(merge="unfused")), "merge must be auto, cluster, fused or separate, got 'unfused'"),
+    (dict(tuning=qops.DecodeTuning(warps=2)), "warps must be 0 \\(the kernel's choice\\), 4 or 8, got 2"),
 ])
 def test_bad_inputs(over, match):
     with pytest.raises((ValueError, TypeError), match=f"qops.{OP}.*{match}"):
@@ -234,12 +227,12 @@ def _check_against_reference(out, cpu, sm, slopes, dtype):
 
 
 def _gpu_case(lens, HQ, HKV, D, block_size, *, dtype=torch.float16, static=False, alibi=False,
-              num_splits=0, seed=0, check_quant_error=False, table_slack=1):
+              num_splits=0, seed=0, check_quant_error=False, table_slack=1, tuning=None):
     cpu, (k_fp, v_fp), dev, sm, slopes, dslopes = _gpu_inputs(
         lens, HQ, HKV, D, block_size, dtype=dtype, static=static, alibi=alibi, seed=seed,
         table_slack=table_slack)
     q = cpu[0]
-    out = qops.paged_decode_attention_int8(*dev, sm, dslopes, num_splits=num_splits).cpu()
+    out = qops.paged_decode_attention_int8(*dev, sm, dslopes, num_splits=num_splits, tuning=tuning).cpu()
     assert out.dtype == dtype and out.shape == q.shape
     ref = _check_against_reference(out, cpu, sm, slopes, dtype)
     err = {}
@@ -302,15 +295,13 @@ def test_gpu_small_tight_block_table(num_splits, block_size):
 @pytest.mark.parametrize("warps", [4, 8])
 @pytest.mark.parametrize("HQ,HKV,D,num_splits", [(32, 8, 128, 8), (9, 3, 64, 3), (32, 1, 128, 5),
                                                  (8, 8, 64, 1), (16, 1, 64, 16)])
-def test_gpu_small_forced_warps(monkeypatch, warps, HQ, HKV, D, num_splits):
-    """Both warps-per-CTA builds (QOPS_DECODE_WARPS overrides the launcher's rule, which picks by
+def test_gpu_small_forced_warps(warps, HQ, HKV, D, num_splits):
+    """Both warps-per-CTA builds (DecodeTuning.warps overrides the launcher's rule, which picks by
     grid size) on each merge path."""
-    monkeypatch.setenv("QOPS_DECODE_WARPS", str(warps))
     for path in PATHS:
-        with monkeypatch.context() as m:
-            _merge_env(m, path)
-            _gpu_case([1000, 17, 0, 333], HQ, HKV, D, 32, dtype=torch.bfloat16,
-                      num_splits=num_splits, alibi=HQ == 9, seed=warps)
+        _gpu_case([1000, 17, 0, 333], HQ, HKV, D, 32, dtype=torch.bfloat16,
+                  num_splits=num_splits, alibi=HQ == 9, seed=warps,
+                  tuning=qops.DecodeTuning(merge=path, warps=warps))
 
 
 @pytest.mark.gpu
@@ -422,51 +413,53 @@ def test_gpu_small_bad_inputs():
         qops.paged_decode_attention_int8(torch.randn(2, 4, 32, dtype=torch.float16, device="cuda"),
                                          k_cache[..., :32].contiguous(), v_cache[..., :32].contiguous(),
                                          ks, vs, bt, sl)
+    with pytest.raises(ValueError, match=f"qops.{OP}: merge must be auto, cluster, fused or separate, got 'unfused'"):
+        qops.paged_decode_attention_int8(q, k_cache, v_cache, ks, vs, bt, sl,
+                                         tuning=qops.DecodeTuning(merge="unfused"))
+    with pytest.raises(ValueError, match=f"qops.{OP}: warps must be 0 \\(the kernel's choice\\), 4 or 8, got 2"):
+        qops.paged_decode_attention_int8(q, k_cache, v_cache, ks, vs, bt, sl, tuning=qops.DecodeTuning(warps=2))
 
 
 # ---- GPU: the three split merges -------------------------------------------------------------------
 # With num_splits > 1 the CUDA path merges the splits in the split kernel itself: through
 # distributed shared memory when the splits of a (sequence, kv head, head group) fit one thread-block
 # cluster (the default on sm_90), else the last CTA of each group (found with a self-resetting
-# counter) merges partials from a workspace; FUSED_ENV=0 (with CLUSTER_ENV=0) selects the split
-# kernel + reduce kernel. All three use the same merge arithmetic in the same split order, so their
-# outputs must be bit-identical, not merely close.
+# counter) merges partials from a workspace; merge="separate" selects the split kernel + reduce
+# kernel. All three use the same merge arithmetic in the same split order, so their outputs must be
+# bit-identical, not merely close.
 SHARED_COUNTERS = 4096  # ops/attention.cpp kSharedSplitCounters: more groups -> workspace counters
-PATHS = ("cluster", "fused", "unfused")
+# The merges forced (DecodeTuning.merge): "cluster" (falls back to the two-kernel merge where the
+# splits do not fit a cluster), "fused" and "separate" (the two-kernel merge).
+PATHS = ("cluster", "fused", "separate")
 
 
-def _merge_env(m, path):
-    """Select a split-merge path on a monkeypatch context `m`. path: "cluster" (falls back to the
-    two-kernel path where the splits do not fit a cluster), "fused" or "unfused"."""
-    m.setenv(CLUSTER_ENV, "1" if path == "cluster" else "0")
-    m.setenv(FUSED_ENV, "1" if path == "fused" else "0")
+def _merge(path):
+    """The launch options of a split-merge path: one of PATHS, or True / False for "fused" /
+    "separate"."""
+    return qops.DecodeTuning(merge={True: "fused", False: "separate"}.get(path, path))
 
 
-def _decode(args, sm, slopes, num_splits, path, monkeypatch, overlap=False):
-    """One call on `path` (True / False: "fused" / "unfused") with garbage-filled fresh memory."""
-    path = {True: "fused", False: "unfused"}.get(path, path)
-    with monkeypatch.context() as m:
-        _merge_env(m, path)
-        poison_cuda_allocator()  # outputs and workspaces start as garbage
-        out = qops.paged_decode_attention_int8(*args, sm, slopes, num_splits=num_splits,
-                                               overlap_prologue=overlap)
-        torch.cuda.synchronize()
+def _decode(args, sm, slopes, num_splits, path, overlap=False, *, pdl=None):
+    """One call on `path` (see _merge) with garbage-filled fresh memory."""
+    poison_cuda_allocator()  # outputs and workspaces start as garbage
+    out = qops.paged_decode_attention_int8(*args, sm, slopes, num_splits=num_splits,
+                                           overlap_prologue=overlap, enable_pdl=pdl, tuning=_merge(path))
+    torch.cuda.synchronize()
     return out
 
 
-def _fused_vs_unfused(monkeypatch, lens, HQ, HKV, D, block_size=16, *, dtype=torch.float16,
+def _fused_vs_unfused(lens, HQ, HKV, D, block_size=16, *, dtype=torch.float16,
                       static=False, alibi=False, num_splits=0, seed=0):
     """All three merge paths, bit-identical, and close to the float64 reference."""
     cpu, _, dev, sm, slopes, dslopes = _gpu_inputs(lens, HQ, HKV, D, block_size, dtype=dtype,
                                                    static=static, alibi=alibi, seed=seed)
-    cluster = _decode(dev, sm, dslopes, num_splits, "cluster", monkeypatch)
-    fused = _decode(dev, sm, dslopes, num_splits, True, monkeypatch)
-    unfused = _decode(dev, sm, dslopes, num_splits, False, monkeypatch)
-    fused_again = _decode(dev, sm, dslopes, num_splits, True, monkeypatch)
-    cluster_again = _decode(dev, sm, dslopes, num_splits, "cluster", monkeypatch)
+    cluster = _decode(dev, sm, dslopes, num_splits, "cluster")
+    fused = _decode(dev, sm, dslopes, num_splits, True)
+    unfused = _decode(dev, sm, dslopes, num_splits, False)
+    fused_again = _decode(dev, sm, dslopes, num_splits, True)
+    cluster_again = _decode(dev, sm, dslopes, num_splits, "cluster")
     # the prologue read before the PDL wait (each path): the same bits
-    overlapped = [_decode(dev, sm, dslopes, num_splits, path, monkeypatch, overlap=True)
-                  for path in PATHS]
+    overlapped = [_decode(dev, sm, dslopes, num_splits, path, overlap=True) for path in PATHS]
     for o in overlapped:
         assert torch.equal(o, unfused)
     assert torch.equal(fused, unfused), float((fused.double() - unfused.double()).abs().max())
@@ -511,10 +504,9 @@ def _fused_vs_unfused(monkeypatch, lens, HQ, HKV, D, block_size=16, *, dtype=tor
     ([2500], 9, 3, 64, torch.bfloat16, True, False, 13),
     ([1900, 37], 8, 1, 128, torch.float16, False, False, 12),
 ])
-def test_gpu_small_fused_merge_matches_unfused(monkeypatch, case):
+def test_gpu_small_fused_merge_matches_unfused(case):
     lens, HQ, HKV, D, dtype, static, alibi, ns = case
-    out = _fused_vs_unfused(monkeypatch, lens, HQ, HKV, D, dtype=dtype, static=static,
-                            alibi=alibi, num_splits=ns)
+    out = _fused_vs_unfused(lens, HQ, HKV, D, dtype=dtype, static=static, alibi=alibi, num_splits=ns)
     for b, L in enumerate(lens):
         if L == 0:
             assert bool((out[b] == 0).all())
@@ -527,16 +519,15 @@ def test_gpu_small_fused_merge_matches_unfused(monkeypatch, case):
     ([3000], 8, 1, 128, 0),  # one kv head, B = 1: 16 splits
     ([2500], 9, 3, 64, 13),
 ])
-def test_gpu_wide_cluster_merge_runs(monkeypatch, lens, HQ, HKV, D, ns):
+def test_gpu_wide_cluster_merge_runs(lens, HQ, HKV, D, ns):
     """On sm_90 these run as one cluster kernel of 9-16 CTAs per cluster (non-portable size), with
     no workspace merge or second kernel; the bit-identity with the other merges is checked above."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("the cluster merge needs sm_90")
     _, _, dev, sm, _, _ = _gpu_inputs(lens, HQ, HKV, D, 16, dtype=torch.float16, static=False,
                                       alibi=False, seed=3)
-    monkeypatch.delenv(CLUSTER_ENV, raising=False)
     names = cuda_kernel_names(lambda: qops.paged_decode_attention_int8(*dev, sm, num_splits=ns),
-                              "paged_decode_int8")
+                              "paged_decode_int8")  # the default merge ("auto")
     if names is None:
         pytest.skip("torch.profiler records no CUDA kernels here")
     assert len(names) == 1 and "reduce" not in names[0], names
@@ -548,19 +539,18 @@ def test_gpu_wide_cluster_merge_runs(monkeypatch, lens, HQ, HKV, D, ns):
 @needs_cuda
 @pytest.mark.parametrize("HQ,HKV,D,dtype", [(8, 2, 128, torch.float16), (32, 1, 64, torch.bfloat16),
                                            (16, 1, 128, torch.bfloat16), (4, 4, 64, torch.float16)])
-def test_gpu_small_fused_merge_max_splits(monkeypatch, HQ, HKV, D, dtype):
+def test_gpu_small_fused_merge_max_splits(HQ, HKV, D, dtype):
     """num_splits forced to the maximum (128): 128 partials per row, 16 rows per group at most,
     many splits empty (the short sequences, and the tail of the long ones)."""
-    _fused_vs_unfused(monkeypatch, [2500, 3000, 1, 2049], HQ, HKV, D, dtype=dtype, num_splits=128,
-                      seed=3)
+    _fused_vs_unfused([2500, 3000, 1, 2049], HQ, HKV, D, dtype=dtype, num_splits=128, seed=3)
 
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("pdl", ["1", "0"])
+@pytest.mark.parametrize("pdl", [True, False])
 @pytest.mark.parametrize("path", PATHS)
-def test_gpu_small_reads_what_the_previous_kernel_wrote(monkeypatch, pdl, path):
-    """Split calls launch with programmatic dependent launch (QOPS_PDL=0: without): they
+def test_gpu_small_reads_what_the_previous_kernel_wrote(pdl, path):
+    """Split calls launch with programmatic dependent launch (enable_pdl=False: without): they
     may start before the previous kernel ends and must still read the query, cache, scales, block
     table and lengths that kernel (here: copies right before each call) wrote, eagerly and in a
     CUDA graph; outputs are bit-identical to the launch without PDL and match the reference."""
@@ -577,20 +567,17 @@ def test_gpu_small_reads_what_the_previous_kernel_wrote(monkeypatch, pdl, path):
         for src in srcs:
             for dst, t in zip(bufs, src):
                 dst.copy_(t)  # the producers, right before the call
-            outs.append(qops.paged_decode_attention_int8(*bufs, sm, num_splits=8))
+            outs.append(qops.paged_decode_attention_int8(*bufs, sm, num_splits=8, enable_pdl=pdl,
+                                                         tuning=_merge(path)))
         return outs
 
-    monkeypatch.setenv("QOPS_PDL", "0")
-    want = [_decode(src, sm, None, 8, "unfused", monkeypatch) for src in srcs]
-    with monkeypatch.context() as m:
-        _merge_env(m, path)
-        m.setenv("QOPS_PDL", pdl)
-        for got, ref in zip(chain(), want):
-            assert torch.equal(got, ref)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            outs = chain()
+    want = [_decode(src, sm, None, 8, "separate", pdl=False) for src in srcs]
+    for got, ref in zip(chain(), want):
+        assert torch.equal(got, ref)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        outs = chain()
     for o in outs:
         o.fill_(float("nan"))
     for b in bufs:
@@ -606,7 +593,7 @@ def test_gpu_small_reads_what_the_previous_kernel_wrote(monkeypatch, pdl, path):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("path", ["fused", "cluster"])
-def test_gpu_small_fused_merge_repeated_and_cuda_graph(monkeypatch, path):
+def test_gpu_small_fused_merge_repeated_and_cuda_graph(path):
     """The counters reset themselves: calls in a row (same and different split counts, sharing
     counter slots), and CUDA graphs replayed with changing inputs, stay bit-identical to the
     two-kernel path. The same for the cluster merge (no counters; a cluster launch in a graph)."""
@@ -625,43 +612,40 @@ def test_gpu_small_fused_merge_repeated_and_cuda_graph(monkeypatch, path):
 
     # eager, several in a row
     load(0)
-    ref0 = _decode(static, sm, None, 8, False, monkeypatch)
+    ref0 = _decode(static, sm, None, 8, False)
     for _ in range(5):
-        assert torch.equal(_decode(static, sm, None, 8, path, monkeypatch), ref0)
+        assert torch.equal(_decode(static, sm, None, 8, path), ref0)
     for ns in (2, 7, 64, 3, 0, 5, 2, 16):  # different split counts on the same counter slots
-        assert torch.equal(_decode(static, sm, None, ns, path, monkeypatch),
-                           _decode(static, sm, None, ns, False, monkeypatch)), ns
+        assert torch.equal(_decode(static, sm, None, ns, path),
+                           _decode(static, sm, None, ns, False)), ns
 
     # a graph holding three fused calls (the counters must be back at 0 between them and at the
     # end of every replay), replayed with new inputs
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
-    with monkeypatch.context() as m, torch.cuda.graph(g):
-        _merge_env(m, path)
-        out_a = qops.paged_decode_attention_int8(*static, sm, num_splits=4)
-        out_b = qops.paged_decode_attention_int8(*static, sm, num_splits=16)
-        out_c = qops.paged_decode_attention_int8(*static, sm)
+    with torch.cuda.graph(g):
+        out_a = qops.paged_decode_attention_int8(*static, sm, num_splits=4, tuning=_merge(path))
+        out_b = qops.paged_decode_attention_int8(*static, sm, num_splits=16, tuning=_merge(path))
+        out_c = qops.paged_decode_attention_int8(*static, sm, tuning=_merge(path))
     for i in (1, 2, 0, 1):
         load(i)
         g.replay()
         torch.cuda.synchronize()
         got = [out_a.clone(), out_b.clone(), out_c.clone()]
         for out, ns in zip(got, (4, 16, 0)):
-            assert torch.equal(out, _decode(static, sm, None, ns, False, monkeypatch)), (i, ns)
+            assert torch.equal(out, _decode(static, sm, None, ns, False)), (i, ns)
         ref = decode_attention_reference(qs[i], *sets[i][:5], sls[i], sm, dtype=torch.float64)
         torch.testing.assert_close(got[0].cpu().double(), ref, atol=1.5e-3, rtol=1.5e-3)
         # an eager fused call between replays shares the counters: they are 0 again
-        assert torch.equal(_decode(static, sm, None, 8, path, monkeypatch),
-                           _decode(static, sm, None, 8, False, monkeypatch))
+        assert torch.equal(_decode(static, sm, None, 8, path),
+                           _decode(static, sm, None, 8, False))
 
 
 @pytest.mark.gpu
 @needs_cuda
-def test_gpu_small_fused_merge_workspace_counters(monkeypatch):
+def test_gpu_small_fused_merge_workspace_counters():
     """More (sequence, kv head, head group)s than the shared counter buffer holds: the counters
     go to the per-call workspace, zeroed with a memset (also under a CUDA graph)."""
-    monkeypatch.setenv(CLUSTER_ENV, "0")  # the graph below captures the default: the fused path
-    monkeypatch.setenv(FUSED_ENV, "1")
     g = torch.Generator().manual_seed(5)
     B, HQ, HKV, D = 130, 32, 32, 64
     assert B * HKV > SHARED_COUNTERS
@@ -670,25 +654,25 @@ def test_gpu_small_fused_merge_workspace_counters(monkeypatch):
     q = torch.randn(B, HQ, D, generator=g).to(torch.float16)
     args = [t.cuda() for t in (q, k_cache, v_cache, ks, vs, bt, sl)]
     sm = D ** -0.5
-    fused = _decode(args, sm, None, 3, True, monkeypatch)
-    unfused = _decode(args, sm, None, 3, False, monkeypatch)
+    fused = _decode(args, sm, None, 3, True)
+    unfused = _decode(args, sm, None, 3, False)
     assert torch.equal(fused, unfused)
     ref = decode_attention_reference(q, k_cache, v_cache, ks, vs, bt, sl, sm, dtype=torch.float64)
     torch.testing.assert_close(fused.cpu().double(), ref, atol=1.5e-3, rtol=1.5e-3)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = qops.paged_decode_attention_int8(*args, sm, num_splits=3)
+    with torch.cuda.graph(graph):  # the fused merge
+        out = qops.paged_decode_attention_int8(*args, sm, num_splits=3, tuning=_merge(True))
     for i in range(3):
         args[0].copy_(torch.randn(B, HQ, D, generator=g).to(torch.float16))
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(out.clone(), _decode(args, sm, None, 3, False, monkeypatch)), i
+        assert torch.equal(out.clone(), _decode(args, sm, None, 3, False)), i
 
 
 _FIRST_CALL_CAPTURED = textwrap.dedent("""
-    import os, torch, qops
-    ENV = "QOPS_DECODE_FUSED_REDUCE"
-    os.environ["QOPS_DECODE_CLUSTER_MERGE"] = "0"  # the workspace-and-counters merge
+    import torch, qops
+    FUSED = qops.DecodeTuning(merge="fused")  # the workspace-and-counters merge
+    SEPARATE = qops.DecodeTuning(merge="separate")  # the two-kernel merge
     torch.manual_seed(0)
     B, HQ, HKV, D, BS, T = 3, 8, 2, 128, 16, 900
     nb = B * (T // BS + 1)
@@ -702,24 +686,19 @@ _FIRST_CALL_CAPTURED = textwrap.dedent("""
     args = (q, kc, vc, ks, vs, bt, sl)
 
     def unfused():
-        os.environ[ENV] = "0"
-        try:
-            return qops.paged_decode_attention_int8(*args, num_splits=6)
-        finally:
-            os.environ[ENV] = "1"
+        return qops.paged_decode_attention_int8(*args, num_splits=6, tuning=SEPARATE)
 
     unfused()  # loads the kernels; the two-kernel path never makes the shared counters
     torch.cuda.synchronize()
-    os.environ[ENV] = "1"
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):  # the first fused call of the process is captured
-        out = qops.paged_decode_attention_int8(*args, num_splits=6)
+        out = qops.paged_decode_attention_int8(*args, num_splits=6, tuning=FUSED)
     for i in range(3):
         q.copy_(torch.randn_like(q))
         g.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, unfused()), i
-    eager = qops.paged_decode_attention_int8(*args, num_splits=6)  # makes the shared counters
+    eager = qops.paged_decode_attention_int8(*args, num_splits=6, tuning=FUSED)  # makes the shared counters
     assert torch.equal(eager, unfused())
     g.replay()  # still on its own (workspace) counters
     torch.cuda.synchronize()

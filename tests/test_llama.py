@@ -18,7 +18,7 @@ from qops.llama import QuantConfig, QuantizedLlamaForCausalLM, W8A8Linear, gener
 from qops.llama.config import LlamaArgs
 from qops.llama.quantize import apply_smoothing, calibrate
 from qops.llama import smollm2
-from conftest import needs_w8a8_gemm
+from qops.testing import needs_w8a8_gemm
 
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 needs_transformers = pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed (llama extra)")

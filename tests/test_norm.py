@@ -11,7 +11,7 @@ import torch
 import qops
 from qops.norm import _fused_add_rms_norm_quant_ref, _rms_norm_quant_ref
 
-from conftest import cuda_kernel_names
+from qops.testing import cuda_kernel_names
 
 FLOOR = 1e-10
 HALF = [torch.float16, torch.bfloat16]
@@ -131,6 +131,29 @@ def test_errors():
         qops.fused_add_rms_norm_quant(x, x.bfloat16(), w, 1e-6)
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_tuning_errors(fused):
+    """The CPU reference checks the launch options as the CUDA glue does (test_cuda_variant_errors)."""
+    x = torch.randn(4, 64, dtype=torch.float16)
+    w = torch.ones(64, dtype=torch.float16)
+    if fused:
+        name = "fused_add_rms_norm_quant"
+        op = lambda t: qops.fused_add_rms_norm_quant(x, x.clone(), w, 1e-6, tuning=t)  # noqa: E731
+    else:
+        name = "rms_norm_quant"
+        op = lambda t: qops.rms_norm_quant(x, w, 1e-6, tuning=t)  # noqa: E731
+    with pytest.raises(ValueError, match=f"qops.{name}: variant must be auto, rowres or pipelined, got 'fast'"):
+        op(qops.NormTuning(variant="fast"))
+    with pytest.raises(ValueError, match=r"pipe_stages must be 0 \(the kernel's choice\), 2 or 3, got 4"):
+        op(qops.NormTuning(pipe_stages=4))
+    with pytest.raises(ValueError, match=r"threads_per_row must be in \[0, 1024\]"):
+        op(qops.NormTuning(threads_per_row=2048))
+    with pytest.raises(ValueError, match=r"cluster must be 0 \(the kernel's choice\), 1, 2, 4 or 8, got 3"):
+        op(qops.NormTuning(cluster=3))
+    for variant in ("auto", "rowres", "pipelined"):  # accepted (and ignored) on CPU
+        op(qops.NormTuning(variant=variant, pipe_stages=3, threads_per_row=128, cluster=2))
+
+
 # ---- GPU: the CUDA kernels against the reference ---------------------------------------------
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -247,22 +270,22 @@ def test_cuda_noncollapsible_leading_dims_error():
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("variant", ["auto", "pipelined"])
-def test_cuda_zero_rows_and_saturation(monkeypatch, dtype, fused, variant):
-    monkeypatch.setenv("QOPS_NORM_VARIANT", variant)
+def test_cuda_zero_rows_and_saturation(dtype, fused, variant):
+    tuning = qops.NormTuning(variant=variant)
     T, H = 8, 4096
     x, r, w = make(T, H, dtype, "cuda")
     x[2] = 0
     r[2] = 0
     poison_allocator(4 * T * H)
     if fused:
-        q, s = qops.fused_add_rms_norm_quant(x, r.clone(), w, 1e-6)
+        q, s = qops.fused_add_rms_norm_quant(x, r.clone(), w, 1e-6, tuning=tuning)
     else:
-        q, s = qops.rms_norm_quant(x, w, 1e-6)
+        q, s = qops.rms_norm_quant(x, w, 1e-6, tuning=tuning)
     assert torch.all(q[2] == 0)
     assert s[2].item() == pytest.approx(FLOOR, rel=1e-6)
     assert not torch.isnan(s).any()
     # static saturation near the type limits: a tiny scale saturates, values map to +-127/-128
-    q, s = qops.rms_norm_quant(x, w, 1e-6, torch.tensor([1e-9], device="cuda"))
+    q, s = qops.rms_norm_quant(x, w, 1e-6, torch.tensor([1e-9], device="cuda"), tuning=tuning)
     y = ref64(x, w, 1e-6)[2]
     assert torch.all(q[y > 0] == 127) and torch.all(q[y < 0] == -128) and torch.all(q[2] == 0)
     assert s.shape == (1,) and s.item() == pytest.approx(1e-9)
@@ -334,9 +357,9 @@ def test_cuda_errors():
         qops.fused_add_rms_norm_quant(x, x[:2].clone(), w, 1e-6)
 
 
-# ---- GPU: both kernel variants (QOPS_NORM_VARIANT, read on every call) ---------------------------
+# ---- GPU: both kernel variants (tuning=qops.NormTuning(variant=...)) -----------------------------
 # "rowres": one row (slice) per CTA, registers only; "pipelined": persistent CTAs with a cp.async ring
-# of rows (csrc/norm/norm.cu). The launcher picks pipelined by itself for many rows (>= 16 per SM,
+# of rows (csrc/norm/norm_rowres.cu, norm_pipelined.cu). The launcher picks pipelined by itself for many rows (>= 16 per SM,
 # e.g. the 4097 x 4096 case of test_cuda_matches_reference on an H100); these tests force each one.
 VARIANTS = ["rowres", "pipelined"]
 # (T, H): T not a multiple of any grid; H covering 1..8 warps per row, whole and partial last
@@ -367,15 +390,15 @@ def zero_some_rows(x, r):
     return rows
 
 
-def check_against_reference(fused, x, r, w, eps, scale, zero_rows=()):
+def check_against_reference(fused, x, r, w, eps, scale, zero_rows=(), tuning=None):
     q_ref, s_ref, r_ref = cuda_ref(fused, x, r, w, eps, scale)
     poison_allocator(4 * x.numel() + 4096)
     if fused:
-        q, s = qops.fused_add_rms_norm_quant(x, r, w, eps, scale)
+        q, s = qops.fused_add_rms_norm_quant(x, r, w, eps, scale, tuning=tuning)
         torch.cuda.synchronize()
         assert torch.equal(r, r_ref), "residual differs from the rounded x + residual"
     else:
-        q, s = qops.rms_norm_quant(x, w, eps, scale)
+        q, s = qops.rms_norm_quant(x, w, eps, scale, tuning=tuning)
     torch.cuda.synchronize()
     assert q.is_contiguous() and q.shape == x.shape
     assert_q_close(q, q_ref, max_frac=1e-3)
@@ -395,12 +418,11 @@ def check_against_reference(fused, x, r, w, eps, scale, zero_rows=()):
 @pytest.mark.parametrize("T,H", VARIANT_SIZES)
 @pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("fused", [False, True])
-def test_cuda_variant_matches_reference(monkeypatch, variant, dtype, T, H, static, fused):
-    monkeypatch.setenv("QOPS_NORM_VARIANT", variant)
+def test_cuda_variant_matches_reference(variant, dtype, T, H, static, fused):
     x, r, w = make_cuda(T, H, dtype, seed=T * 5 + H)
     zeros = zero_some_rows(x, r)
     scale = torch.tensor([0.015], device="cuda") if static else None
-    check_against_reference(fused, x, r, w, 1e-5, scale, zeros)
+    check_against_reference(fused, x, r, w, 1e-5, scale, zeros, qops.NormTuning(variant=variant))
 
 
 @gpu
@@ -409,10 +431,10 @@ def test_cuda_variant_matches_reference(monkeypatch, variant, dtype, T, H, stati
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("T,H", [(4099, 4096), (4099, 576), (517, 8192)])
 @pytest.mark.parametrize("fused", [False, True])
-def test_cuda_variant_strided_rows(monkeypatch, variant, dtype, T, H, fused):
+def test_cuda_variant_strided_rows(variant, dtype, T, H, fused):
     """Row strides that are not H (16-byte aligned: the vector paths of both variants), for the
     input and the residual, which must keep its padding untouched."""
-    monkeypatch.setenv("QOPS_NORM_VARIANT", variant)
+    tuning = qops.NormTuning(variant=variant)
     g = torch.Generator(device="cpu").manual_seed(H + T)
     x = (torch.randn(T, H + 64, generator=g) * 3).to(dtype).cuda()[:, :H]
     r_big = (torch.randn(T, H + 24, generator=g) * 3).to(dtype).cuda()
@@ -420,54 +442,51 @@ def test_cuda_variant_strided_rows(monkeypatch, variant, dtype, T, H, fused):
     w = (torch.rand(H, generator=g) + 0.5).to(dtype).cuda()
     pad = r_big[:, H:].clone()
     zeros = zero_some_rows(x, r)
-    check_against_reference(fused, x, r, w, 1e-6, None, zeros)
+    check_against_reference(fused, x, r, w, 1e-6, None, zeros, tuning)
     assert torch.equal(r_big[:, H:], pad), "the residual's row padding was written"
-    check_against_reference(False, x, r, w, 1e-6, torch.tensor([0.02], device="cuda"))
+    check_against_reference(False, x, r, w, 1e-6, torch.tensor([0.02], device="cuda"), tuning=tuning)
 
 
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("fused", [False, True])
-@pytest.mark.parametrize("stages,tpr", [("3", None), ("2", "256"), ("3", "128"), (None, "64")])
-def test_cuda_pipelined_shapes(monkeypatch, dtype, fused, stages, tpr):
-    """The pipelined kernel's other ring depth and thread-per-row shapes (QOPS_NORM_PIPE_STAGES,
-    QOPS_FQ_TPR; a hint that does not fit falls back to the default shape)."""
-    monkeypatch.setenv("QOPS_NORM_VARIANT", "pipelined")
-    if stages is not None:
-        monkeypatch.setenv("QOPS_NORM_PIPE_STAGES", stages)
-    if tpr is not None:
-        monkeypatch.setenv("QOPS_FQ_TPR", tpr)
+@pytest.mark.parametrize("stages,tpr", [(3, 0), (2, 256), (3, 128), (0, 64)])  # 0: the kernel's choice
+def test_cuda_pipelined_shapes(dtype, fused, stages, tpr):
+    """The pipelined kernel's other ring depth and thread-per-row shapes (NormTuning.pipe_stages,
+    threads_per_row; a hint that does not fit falls back to the default shape)."""
+    tuning = qops.NormTuning(variant="pipelined", pipe_stages=stages, threads_per_row=tpr)
     for T, H in [(4099, 4096), (2049, 8192), (1031, 1536), (777, 576)]:
         x, r, w = make_cuda(T, H, dtype, seed=T + H)
         zeros = zero_some_rows(x, r)
-        check_against_reference(fused, x, r, w, 1e-5, None, zeros)
-        check_against_reference(fused, x, r.clone(), w, 1e-5, torch.tensor([0.01], device="cuda"))
+        check_against_reference(fused, x, r, w, 1e-5, None, zeros, tuning)
+        check_against_reference(fused, x, r.clone(), w, 1e-5, torch.tensor([0.01], device="cuda"),
+                                tuning=tuning)
 
 
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("fused", [False, True])
-def test_cuda_pipelined_fallbacks(monkeypatch, fused):
+def test_cuda_pipelined_fallbacks(fused):
     """Forcing pipelined where it does not apply runs the row-resident kernel: rows only 2-byte
     aligned (scalar path), hidden above 8192, and a hidden size that is not a multiple of 8."""
-    monkeypatch.setenv("QOPS_NORM_VARIANT", "pipelined")
+    tuning = qops.NormTuning(variant="pipelined")
     g = torch.Generator(device="cpu").manual_seed(3)
     for T, H, offset in [(2100, 1536, 1), (300, 11008, 0), (300, 16384, 0), (2100, 1000 + 4, 0)]:
         big = (torch.randn(T, H + 8, generator=g) * 2).to(torch.bfloat16).cuda()
         x = big[:, offset:offset + H]
         w = (torch.rand(H, generator=g) + 0.5).to(torch.bfloat16).cuda()
         r = torch.randn(T, H, generator=g).to(torch.bfloat16).cuda()
-        check_against_reference(fused, x, r, w, 1e-6, None)
+        check_against_reference(fused, x, r, w, 1e-6, None, tuning=tuning)
 
 
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("fused", [False, True])
-def test_cuda_pipelined_nonfinite_rows(monkeypatch, fused):
+def test_cuda_pipelined_nonfinite_rows(fused):
     """NaN / Inf rows and a row whose sum of squares overflows, under the pipelined kernel: each
     such row quantizes to zeros with the floor scale (dynamic), as in the reference."""
-    monkeypatch.setenv("QOPS_NORM_VARIANT", "pipelined")
+    tuning = qops.NormTuning(variant="pipelined")
     T, H = 2500, 4096
     for dtype in HALF:
         x, r, w = make_cuda(T, H, dtype, seed=11)
@@ -478,8 +497,8 @@ def test_cuda_pipelined_nonfinite_rows(monkeypatch, fused):
         for scale in (None, torch.tensor([0.01], device="cuda")):
             q_ref, s_ref, r_ref = cuda_ref(fused, x, r, w, 1e-6, scale)
             rr = r.clone()
-            q, s = (qops.fused_add_rms_norm_quant(x, rr, w, 1e-6, scale) if fused
-                    else qops.rms_norm_quant(x, w, 1e-6, scale))
+            q, s = (qops.fused_add_rms_norm_quant(x, rr, w, 1e-6, scale, tuning=tuning) if fused
+                    else qops.rms_norm_quant(x, w, 1e-6, scale, tuning=tuning))
             if fused:  # NaN where x had a NaN: compare with equal_nan, bit-exact otherwise
                 torch.testing.assert_close(rr, r_ref, rtol=0, atol=0, equal_nan=True)
             assert_q_close(q, q_ref, max_frac=1e-3)
@@ -488,54 +507,58 @@ def test_cuda_pipelined_nonfinite_rows(monkeypatch, fused):
 
 @gpu
 @needs_cuda
-def test_cuda_pipelined_graph_capture(monkeypatch):
-    monkeypatch.setenv("QOPS_NORM_VARIANT", "pipelined")
+def test_cuda_pipelined_graph_capture():
+    tuning = qops.NormTuning(variant="pipelined")
     x, _, w = make_cuda(4099, 4096, torch.float16, seed=5)
     scale = torch.tensor([0.02], device="cuda")
-    eager = qops.rms_norm_quant(x, w, 1e-6)
+    eager = qops.rms_norm_quant(x, w, 1e-6, tuning=tuning)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        qg, sg = qops.rms_norm_quant(x, w, 1e-6)
-        qs, ss = qops.rms_norm_quant(x, w, 1e-6, scale)
+        qg, sg = qops.rms_norm_quant(x, w, 1e-6, tuning=tuning)
+        qs, ss = qops.rms_norm_quant(x, w, 1e-6, scale, tuning=tuning)
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(qg, eager[0]) and torch.equal(sg, eager[1])
-    assert torch.equal(qs, qops.rms_norm_quant(x, w, 1e-6, scale)[0]) and ss.item() == pytest.approx(0.02)
+    assert torch.equal(qs, qops.rms_norm_quant(x, w, 1e-6, scale, tuning=tuning)[0]) and ss.item() == pytest.approx(0.02)
 
 
 @gpu
 @needs_cuda
-def test_cuda_variant_env_errors(monkeypatch):
+def test_cuda_variant_errors():
     x, _, w = make(4, 64, torch.float16, "cuda")
-    monkeypatch.setenv("QOPS_NORM_VARIANT", "fast")
-    with pytest.raises((ValueError, RuntimeError), match="QOPS_NORM_VARIANT must be"):
-        qops.rms_norm_quant(x, w, 1e-6)
-    monkeypatch.setenv("QOPS_NORM_VARIANT", "auto")
-    qops.rms_norm_quant(x, w, 1e-6)
+    with pytest.raises((ValueError, RuntimeError),
+                       match="qops.rms_norm_quant: variant must be auto, rowres or pipelined, got 'fast'"):
+        qops.rms_norm_quant(x, w, 1e-6, tuning=qops.NormTuning(variant="fast"))
+    with pytest.raises((ValueError, RuntimeError),
+                       match="qops.fused_add_rms_norm_quant: variant must be auto, rowres or pipelined, got 'fast'"):
+        qops.fused_add_rms_norm_quant(x, x.clone(), w, 1e-6, tuning=qops.NormTuning(variant="fast"))
+    with pytest.raises((ValueError, RuntimeError), match="pipe_stages must be 0"):
+        qops.rms_norm_quant(x, w, 1e-6, tuning=qops.NormTuning(variant="pipelined", pipe_stages=4))
+    qops.rms_norm_quant(x, w, 1e-6, tuning=qops.NormTuning(variant="auto"))
 
 
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("fused", [False, True])
-def test_cuda_variant_selection(monkeypatch, fused):
+def test_cuda_variant_selection(fused):
     """Which kernel runs: the default rule (without a residual, pipelined for >= 16 rows per SM,
     H <= 8192 and either > 256 KB of input per SM or rows of one warp, H <= 1024; row-resident
-    otherwise and with a residual) and the QOPS_NORM_VARIANT overrides."""
+    otherwise and with a residual) and the NormTuning(variant=...) overrides."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     big, mid, small = 32 * sms + 3, 16 * sms + 3, 16  # 4096-wide bf16 rows: 8 KB each
 
-    def run(T, H=4096):
+    def run(T, H=4096, variant="auto"):
         x, r, w = make_cuda(T, H, torch.bfloat16)
-        return cuda_kernel_names(lambda: qops.fused_add_rms_norm_quant(x, r, w, 1e-6) if fused
-                                 else qops.rms_norm_quant(x, w, 1e-6), "norm_quant")
+        tuning = qops.NormTuning(variant=variant)
+        return cuda_kernel_names(lambda: qops.fused_add_rms_norm_quant(x, r, w, 1e-6, tuning=tuning) if fused
+                                 else qops.rms_norm_quant(x, w, 1e-6, tuning=tuning), "norm_quant")
 
     def kind(names):
         kinds = {"pipelined" if "rms_norm_quant_pipe_kernel" in n else "rowres" for n in names}
         assert len(kinds) == 1, names
         return kinds.pop()
 
-    monkeypatch.delenv("QOPS_NORM_VARIANT", raising=False)
     names = run(big)
     if names is None:
         pytest.skip("torch.profiler records no CUDA kernels here")
@@ -544,7 +567,5 @@ def test_cuda_variant_selection(monkeypatch, fused):
     assert kind(run(mid, 576)) == ("rowres" if fused else "pipelined")  # one-warp rows
     assert kind(run(small)) == "rowres"
     assert kind(run(big, 16384)) == "rowres"  # rows longer than the pipelined kernel takes
-    monkeypatch.setenv("QOPS_NORM_VARIANT", "rowres")
-    assert kind(run(big)) == "rowres"
-    monkeypatch.setenv("QOPS_NORM_VARIANT", "pipelined")
-    assert kind(run(small)) == "pipelined"
+    assert kind(run(big, variant="rowres")) == "rowres"
+    assert kind(run(small, variant="pipelined")) == "pipelined"

@@ -1,10 +1,10 @@
-"""The benchmark timing helper (qops.bench_utils): how many calls one timed CUDA graph makes."""
+"""The benchmark timing helper (qops.testing): how many calls one timed CUDA graph makes."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from qops import bench_utils
+from qops import testing
 
 
 @pytest.mark.parametrize("per_call_us, n_sets, want", [
@@ -16,7 +16,7 @@ from qops import bench_utils
     (0.0, 3, 42),      # a call too short to time: the cap (128 // 3 rounds)
 ])
 def test_graph_repeats(per_call_us, n_sets, want):
-    assert bench_utils._graph_repeats(per_call_us, n_sets) == want
+    assert testing._graph_repeats(per_call_us, n_sets) == want
 
 
 @pytest.mark.gpu
@@ -30,13 +30,13 @@ def test_runner_repeats_sets_in_turn():
             x.add_(1.0)
         return call
 
-    run, ncalls = bench_utils._runner(make, 3, True)
+    run, ncalls = testing._runner(make, 3, True)
     # a microsecond kernel: the graph repeats the 3 sets (up to the cap) to run ~GRAPH_MIN_US
-    assert ncalls % 3 == 0 and 3 < ncalls <= bench_utils.GRAPH_MAX_CALLS
+    assert ncalls % 3 == 0 and 3 < ncalls <= testing.GRAPH_MAX_CALLS
     # the last capture called the sets in turn, each equally often
     assert used[-ncalls:] == [0, 1, 2] * (ncalls // 3)
     before = x[0].item()
     run()
     torch.cuda.synchronize()
     assert x[0].item() == before + ncalls
-    assert bench_utils.bench_us(make, 3, replays=3, warmup=1) > 0.0
+    assert testing.bench_us(make, 3, replays=3, warmup=1) > 0.0

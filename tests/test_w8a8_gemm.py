@@ -8,17 +8,18 @@ are bit-identical, and the tests check that too.
 from __future__ import annotations
 
 import os
+import re
+import subprocess
 import sys
 
 import pytest
 import torch
 
 import qops
-from conftest import maybe_compile, needs_w8a8_gemm, poison_cuda_allocator
+from cutlass_kernels import w8a8_configs as table
+from qops.testing import needs_w8a8_gemm, poison_cuda_allocator
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "cutlass_kernels"))
-import w8a8_configs as table
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the generator runs from here
 
 HALF = [torch.float16, torch.bfloat16]
 _MANT = {torch.float16: 10, torch.bfloat16: 7}
@@ -119,11 +120,31 @@ def test_reference_errors_name_the_argument(i):
         qops.w8a8_gemm(*args)
 
 
+def test_reference_checks_the_gemv_options():
+    """The CPU reference takes and ignores the GEMV's launch options (GemvTuning), but checks their
+    form as the CUDA glue does (which also checks the shape against the built ones)."""
+    a, b, sa, sb, _ = make_inputs(4, 32, 64)
+    d = qops.w8a8_gemm(a, b, sa, sb, torch.float16)
+    for shape in (None, *table.gemv_launch_shapes()):
+        for early in (None, 0, 1, 2):
+            tuning = qops.GemvTuning(shape=shape, early_batches=early)
+            assert torch.equal(qops.w8a8_gemm(a, b, sa, sb, torch.float16, tuning=tuning), d)
+    with pytest.raises(ValueError, match=re.escape("qops.w8a8_gemm: gemv_shape must be (rows, warps, chunks) "
+                                                   "or empty, got [8, 4]")):
+        qops.w8a8_gemm(a, b, sa, sb, torch.float16, tuning=qops.GemvTuning(shape=(8, 4)))
+    for bad in (3, -2):
+        with pytest.raises(ValueError, match=re.escape("qops.w8a8_gemm: gemv_early must be -1 (the GEMV's "
+                                                       f"choice), 0, 1 or 2, got {bad}")):
+            qops.w8a8_gemm(a, b, sa, sb, torch.float16, tuning=qops.GemvTuning(early_batches=bad))
+
+
 def test_opcheck_cpu():
     a, b, sa, sb, bias = make_inputs(5, 48, 32, bias=True)
     torch.library.opcheck(torch.ops.qops.w8a8_gemm.default, (a, b, sa, sb, torch.float16, bias))
     torch.library.opcheck(torch.ops.qops.w8a8_gemm.default, (a, b, sa, sb, torch.float16, bias),
                           {"overlap_prologue": True})
+    torch.library.opcheck(torch.ops.qops.w8a8_gemm.default, (a, b, sa, sb, torch.float16, bias),
+                          {"gemv_shape": list(table.gemv_launch_shapes()[0]), "gemv_early": 1})
 
 
 # ---- the kernel table and the generator (no GPU needed) -----------------------------------------
@@ -139,8 +160,7 @@ def test_table_is_consistent():
 
 
 def test_tuner_merge_replaces_only_the_timed_buckets():
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    import tune_w8a8_gemm as tune
+    from tools import tune_w8a8_gemm as tune
 
     a, b, c = table.config_names()[:3]
     old = [{"layer": "x", "n": 64, "k": 64, "picks": [[16, a], [256, b], [8192, c]]},
@@ -162,19 +182,24 @@ def _read(path):
         return f.read()
 
 
+def _generate(out, *options):
+    """Run the generator as the build does (a module, from the repository root); its files by name."""
+    r = subprocess.run([sys.executable, "-m", "cutlass_kernels.gen_w8a8", "--out", str(out), *options],
+                       cwd=ROOT, capture_output=True, text=True, check=False)
+    assert r.returncode == 0, r.stderr
+    return {os.path.basename(p): _read(p) for p in r.stdout.split()}
+
+
 def test_generator_is_deterministic_and_emits_the_table(tmp_path):
     pytest.importorskip("cutlass_cppgen", reason="nvidia-cutlass is not installed")
-    import subprocess
-
-    gen = os.path.join(ROOT, "cutlass_kernels", "gen_w8a8.py")
-    outs = []
-    for d in ("one", "two"):
-        r = subprocess.run([sys.executable, gen, "--out", str(tmp_path / d)], capture_output=True, text=True, check=False)
-        assert r.returncode == 0, r.stderr
-        outs.append({os.path.basename(p): _read(p) for p in r.stdout.split()})
+    outs = [_generate(tmp_path / d) for d in ("one", "two")]
     assert outs[0] == outs[1], "the generator is not deterministic"
     files = outs[0]
-    assert len(files) == len(table.CONFIGS) * len(table.OUT_DTYPES) * len(table.SCALE_MODES) + 2
+    # one file per kernel, the dispatch table and the two plain-data headers
+    assert len(files) == len(table.CONFIGS) * len(table.OUT_DTYPES) * len(table.SCALE_MODES) + 3
+    assert {"w8a8_dispatch.cu", "w8a8_select.h", "w8a8_gemv_shapes.h"} <= set(files)
+    assert _generate(tmp_path / "headers", "--headers-only") == {
+        n: files[n] for n in ("w8a8_select.h", "w8a8_gemv_shapes.h")}
     for cfg in table.CONFIGS:
         m, n, k = cfg.cta
         cm, cn, ck = cfg.cluster
@@ -196,16 +221,12 @@ def test_generator_is_deterministic_and_emits_the_table(tmp_path):
 def test_generated_selection_matches_the_table(tmp_path):
     """The generated C++ select_config (host-only header) picks what w8a8_configs.select_config
     picks: tuned shapes at every M bucket edge and off-table shapes, at several SM counts."""
-    pytest.importorskip("cutlass_cppgen", reason="nvidia-cutlass is not installed")
     import shutil
-    import subprocess
 
     cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
     if cxx is None:
         pytest.skip("no host C++ compiler")
-    gen = os.path.join(ROOT, "cutlass_kernels", "gen_w8a8.py")
-    r = subprocess.run([sys.executable, gen, "--out", str(tmp_path / "gen")], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
+    _generate(tmp_path / "gen", "--headers-only")  # w8a8_select.h: plain data, no CUTLASS needed
     ms = sorted({1, 2, 15, 16, 17, 63, 64, 65, 100, 1000, 5000, 8192, 8193, 20000}
                 | {m + d for picks in table.TUNED.values() for m, _ in picks for d in (-1, 0, 1)})
     shapes = sorted(set(table.TUNED) | {(4096, 4096), (576, 1536), (1280, 8192), (28672, 4096), (100, 64),
@@ -268,68 +289,61 @@ def test_every_generated_kernel(config, shape, dtype, mode, bias):
     run_and_check(a, b, sa, sb, dtype, bz, config=config)
 
 
-# The decode GEMV at every launch shape it has (QOPS_GEMV_SHAPE = rows of N per CTA, warps per
-# CTA, K chunks per load batch: csrc/gemm/w8a8_gemv.h kGemvShapes), for M of one row group and
-# of two: rows that leave a partial last CTA (N = 48 with 16 rows), K tails that are not a whole
-# 64-byte chunk, more K slices than chunks (idle warps).
+# The decode GEMV at every launch shape it has (GemvTuning.shape = rows of N per CTA, warps per
+# CTA, K chunks per load batch: w8a8_configs.GEMV_SHAPES, built as kGemvShapes), for M of one row
+# group and of two: rows that leave a partial last CTA (N = 48 with 16 rows), K tails that are not
+# a whole 64-byte chunk, more K slices than chunks (idle warps).
 _GEMV_PROBLEMS = [(1, 48, 16), (3, 208, 272), (8, 1040, 4112), (9, 80, 1040), (16, 1296, 8208)]
-_GEMV_SHAPES = table.gemv_launch_shapes()  # csrc/gemm/w8a8_gemv.h kGemvShapes
+_GEMV_SHAPES = table.gemv_launch_shapes()  # w8a8_configs.GEMV_SHAPES as (rows, warps, chunks)
 
 
-def test_gemv_launch_shapes_come_from_the_header(tmp_path):
-    """The shape list the GEMV tests and the benchmark force is read from the kernel's header; a
-    header it cannot read is an error, not an empty (silently skipped) parametrization."""
+def test_gemv_launch_shapes_are_the_generated_header(tmp_path):
+    """The shape list the GEMV tests and the benchmark force is the table's, which the generator
+    emits as the kernels' kGemvShapes (w8a8_gemv_shapes.h), in the same order; the list is not
+    empty (which would silently skip the parametrizations below) and holds no duplicates."""
     assert len(_GEMV_SHAPES) >= 2 and (8, 4, 4) in _GEMV_SHAPES
+    assert len(set(_GEMV_SHAPES)) == len(_GEMV_SHAPES)
     for rows, warps, chunks in _GEMV_SHAPES:
         assert rows in (8, 16) and warps in (4, 8) and chunks in (2, 4, 8), (rows, warps, chunks)
-    header = tmp_path / "w8a8_gemv.h"
-    header.write_text("constexpr GemvShape kGemvShapes[] = {{16, 8, 2},\n {8, 4, 4}};\n")
-    assert table.gemv_launch_shapes(str(header)) == [(16, 8, 2), (8, 4, 4)]
-    for broken in ("struct GemvShape {};\n", "constexpr GemvShape kGemvShapes[] = {};\n",
-                   "constexpr GemvShape kGemvShapes[] = {{8, 4, 4}, {8, 4, 4}};\n"):
-        header.write_text(broken)
-        with pytest.raises(RuntimeError, match="kGemvShapes"):
-            table.gemv_launch_shapes(str(header))
+    header = _generate(tmp_path, "--headers-only")["w8a8_gemv_shapes.h"]
+    body = header[header.index("kGemvShapes[]"):]
+    emitted = [tuple(map(int, t)) for t in re.findall(r"\{(\d+),\s*(\d+),\s*(\d+)\}", body)]
+    assert emitted == _GEMV_SHAPES
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("launch", _GEMV_SHAPES, ids=[f"r{r}w{w}c{c}" for r, w, c in _GEMV_SHAPES])
 @pytest.mark.parametrize("problem", _GEMV_PROBLEMS, ids=[f"{m}x{n}x{k}" for m, n, k in _GEMV_PROBLEMS])
 @pytest.mark.parametrize("dtype", HALF, ids=["fp16", "bf16"])
-def test_gemv_every_launch_shape(problem, launch, dtype, monkeypatch):
+def test_gemv_every_launch_shape(problem, launch, dtype):
     needs_w8a8_gemm()
     m, n, k = problem
     i = _GEMV_PROBLEMS.index(problem) + _GEMV_SHAPES.index(launch)
     per, bias = i % 3 != 0, i % 2 == 0  # both scale modes, with and without bias, across problems
-    monkeypatch.setenv("QOPS_GEMV_SHAPE", ",".join(map(str, launch)))
     a, b, sa, sb, bz = make_inputs(m, n, k, device="cuda", per_token=per, per_channel=per, bias=bias, dtype=dtype)
-    d = run_and_check(a, b, sa, sb, dtype, bz, config="gemv")
+    d = run_and_check(a, b, sa, sb, dtype, bz, config="gemv", tuning=qops.GemvTuning(shape=launch))
     # exact int32 sums and the reference's float32 steps, each rounded: the reference's bits
     assert torch.equal(d, qops.gemm._w8a8_gemm_ref(a, b, sa, sb, dtype, bz))
     # the builds that request weight batches before the PDL wait (overlap_prologue): its own
     # choice, then 0, 1 and 2 batches forced (clamped to what the build has): the same bits
-    for early in (None, "0", "1", "2"):
-        if early is None:
-            monkeypatch.delenv("QOPS_GEMV_EARLY", raising=False)
-        else:
-            monkeypatch.setenv("QOPS_GEMV_EARLY", early)
+    for early in (None, 0, 1, 2):
         poison_cuda_allocator()
-        assert torch.equal(qops.w8a8_gemm(a, b, sa, sb, dtype, bz, config="gemv", overlap_prologue=True), d), early
+        tuning = qops.GemvTuning(shape=launch, early_batches=early)
+        assert torch.equal(qops.w8a8_gemm(a, b, sa, sb, dtype, bz, config="gemv", overlap_prologue=True,
+                                          tuning=tuning), d), early
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 16])
 @pytest.mark.parametrize("dtype", HALF, ids=["fp16", "bf16"])
-def test_gemv_own_shape_at_multi_wave_layers(m, dtype, monkeypatch):
+def test_gemv_own_shape_at_multi_wave_layers(m, dtype):
     """The GEMV's own shape choice, which counts waves from the occupancy API where N > 4096
     (csrc/gemm/w8a8_gemv.cu gemv_shape), on layers whose grids take more than one wave: 70B-tp8
     down (N = 8192, K = 3584; 8 chunks at M = 16 on an H100) and N = 8208 with K = 2064 (a tail
     that is not a whole 64-byte chunk), where the same holds. Under overlap_prologue the choice
     counts waves again (at M = 16 on an H100, 70B-tp8 down takes the 16-row build with an early
-    batch): the same bits."""
+    batch): the same bits. (No tuning: the GEMV's own launch shape and early batches.)"""
     needs_w8a8_gemm()
-    monkeypatch.delenv("QOPS_GEMV_SHAPE", raising=False)
-    monkeypatch.delenv("QOPS_GEMV_EARLY", raising=False)
     for n, k in [(8192, 3584), (8208, 2064)]:
         a, b, sa, sb, bz = make_inputs(m, n, k, device="cuda", per_token=True, per_channel=True, bias=True,
                                        dtype=dtype)
@@ -342,27 +356,26 @@ def test_gemv_own_shape_at_multi_wave_layers(m, dtype, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("launch", _GEMV_SHAPES, ids=[f"r{r}w{w}c{c}" for r, w, c in _GEMV_SHAPES])
 @pytest.mark.parametrize("dtype", HALF, ids=["fp16", "bf16"])
-def test_gemv_bias_at_odd_element(launch, dtype, monkeypatch):
+def test_gemv_bias_at_odd_element(launch, dtype):
     """The GEMV's M > 8 builds (M = 9 here) stage each output pair's bias as one 4-byte copy when
     the bias is 4-byte aligned; a bias slice that starts at an odd element is read element by
     element instead. Both give the reference's bits."""
     needs_w8a8_gemm()
-    monkeypatch.setenv("QOPS_GEMV_SHAPE", ",".join(map(str, launch)))
     m, n, k = 9, 208, 272
     a, b, sa, sb, _ = make_inputs(m, n, k, device="cuda", dtype=dtype)
     bias = (torch.randn(n + 1, device="cuda") * 2).to(dtype)[1:]
     assert bias.data_ptr() % 4 == 2
-    d = run_and_check(a, b, sa, sb, dtype, bias, config="gemv")
+    d = run_and_check(a, b, sa, sb, dtype, bias, config="gemv", tuning=qops.GemvTuning(shape=launch))
     assert torch.equal(d, qops.gemm._w8a8_gemm_ref(a, b, sa, sb, dtype, bias))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [4, 16])
-@pytest.mark.parametrize("launch", [None, ("8,4,4", "2"), ("16,8,4", "1")],
+@pytest.mark.parametrize("launch", [None, ((8, 4, 4), 2), ((16, 8, 4), 1)],
                          ids=["own", "r8w4c4_early2", "r16w8c4_early1"])
 @pytest.mark.parametrize("overlap", [False, True], ids=["", "overlap"])
-@pytest.mark.parametrize("pdl", ["1", "0"], ids=["pdl", "no_pdl"])
-def test_gemv_reads_what_the_previous_kernel_wrote(pdl, overlap, launch, m, monkeypatch):
+@pytest.mark.parametrize("pdl", [True, False], ids=["pdl", "no_pdl"])
+def test_gemv_reads_what_the_previous_kernel_wrote(pdl, overlap, launch, m):
     """Programmatic dependent launch lets the GEMV launch before the previous kernel ends: it must
     still read the activations and scales that kernel writes (eager and in a CUDA graph), also
     when it requests weight batches before the wait (overlap_prologue: the producers do not
@@ -371,12 +384,7 @@ def test_gemv_reads_what_the_previous_kernel_wrote(pdl, overlap, launch, m, monk
     forced shape with as many early batches as its build has: the 8-row, 4-warp, 4-chunk shape
     (2 at M = 4, 1 at M = 16) and the 16-row, 8-warp, 4-chunk shape (1)."""
     needs_w8a8_gemm()
-    monkeypatch.setenv("QOPS_PDL", pdl)
-    monkeypatch.delenv("QOPS_GEMV_SHAPE", raising=False)
-    monkeypatch.delenv("QOPS_GEMV_EARLY", raising=False)
-    if launch is not None:
-        monkeypatch.setenv("QOPS_GEMV_SHAPE", launch[0])
-        monkeypatch.setenv("QOPS_GEMV_EARLY", launch[1])
+    tuning = None if launch is None else qops.GemvTuning(shape=launch[0], early_batches=launch[1])
     n, k = 4096, 4096
     a_buf = torch.zeros(m, k, dtype=torch.int8, device="cuda")
     sa_buf = torch.zeros(m, device="cuda")
@@ -389,7 +397,7 @@ def test_gemv_reads_what_the_previous_kernel_wrote(pdl, overlap, launch, m, monk
             a_buf.copy_(a)  # the producers, right before the GEMV
             sa_buf.copy_(sa)
             outs.append(qops.w8a8_gemm(a_buf, b, sa_buf, sb, torch.bfloat16, config="gemv",
-                                       overlap_prologue=overlap))
+                                       overlap_prologue=overlap, enable_pdl=pdl, tuning=tuning))
         return outs
 
     want = [qops.gemm._w8a8_gemm_ref(a, b, sa, sb, torch.bfloat16) for a, sa in srcs]
@@ -413,21 +421,22 @@ def test_gemv_reads_what_the_previous_kernel_wrote(pdl, overlap, launch, m, monk
 
 
 @pytest.mark.gpu
-def test_gemv_errors(monkeypatch):
+def test_gemv_errors():
     needs_w8a8_gemm()
     a, b, sa, sb, _ = make_inputs(17, 32, 64, device="cuda")
     with pytest.raises(ValueError, match="qops.w8a8_gemm: config 'gemv' serves M <= 16, got M = 17"):
         qops.w8a8_gemm(a, b, sa, sb, torch.float16, config="gemv")
-    for bad in ("12,4,4", "16", "16,4,2", "8,4", "8,4,2", "8,4,4x", "x"):
-        monkeypatch.setenv("QOPS_GEMV_SHAPE", bad)
-        built = " ".join(",".join(map(str, shape)) for shape in _GEMV_SHAPES)
-        with pytest.raises(ValueError, match=f"QOPS_GEMV_SHAPE must be ROWS,WARPS,CHUNKS, one of {built}; got"):
-            qops.w8a8_gemm(a[:4], b, sa[:4], sb, torch.float16, config="gemv")
-    monkeypatch.delenv("QOPS_GEMV_SHAPE")
-    for bad in ("3", "-1", "12", "x"):
-        monkeypatch.setenv("QOPS_GEMV_EARLY", bad)
-        with pytest.raises(ValueError, match="QOPS_GEMV_EARLY must be 0, 1 or 2; got"):
-            qops.w8a8_gemm(a[:4], b, sa[:4], sb, torch.float16, config="gemv", overlap_prologue=True)
+    built = "".join(f" ({r}, {w}, {c})" for r, w, c in _GEMV_SHAPES)
+    for bad in ((12, 4, 4), (16,), (16, 4, 2), (8, 4), (8, 4, 2), (8, 4, 4, 4)):
+        want = f"qops.w8a8_gemm: gemv_shape must be (rows, warps, chunks), one of{built}; got [{', '.join(map(str, bad))}]"
+        with pytest.raises(ValueError, match=re.escape(want)):
+            qops.w8a8_gemm(a[:4], b, sa[:4], sb, torch.float16, config="gemv",
+                           tuning=qops.GemvTuning(shape=bad))
+    for bad in (3, -2, 12):
+        with pytest.raises(ValueError, match=re.escape(f"qops.w8a8_gemm: gemv_early must be -1 (the GEMV's choice), "
+                                                       f"0, 1 or 2, got {bad}")):
+            qops.w8a8_gemm(a[:4], b, sa[:4], sb, torch.float16, config="gemv", overlap_prologue=True,
+                           tuning=qops.GemvTuning(early_batches=bad))
 
 
 @pytest.mark.gpu
@@ -501,15 +510,14 @@ def test_inputs_unchanged_and_cuda_graph_replay(config):
     m = 16 if config == "gemv" else 17
     a, b, sa, sb, bias = make_inputs(m, 4096, 4096, device="cuda", bias=True, dtype=torch.bfloat16)
     saved = [t.clone() for t in (a, b, sa, sb, bias)]
-    fn = maybe_compile(lambda a, b, sa, sb, bias: qops.w8a8_gemm(a, b, sa, sb, torch.bfloat16, bias, config=config))
-    expect = fn(a, b, sa, sb, bias)
+    expect = qops.w8a8_gemm(a, b, sa, sb, torch.bfloat16, bias, config=config)
     for t, s in zip((a, b, sa, sb, bias), saved):
         assert torch.equal(t, s)
     g = torch.cuda.CUDAGraph()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        fn(a, b, sa, sb, bias)
+        qops.w8a8_gemm(a, b, sa, sb, torch.bfloat16, bias, config=config)
     torch.cuda.current_stream().wait_stream(s)
     with torch.cuda.graph(g):
         out = qops.w8a8_gemm(a, b, sa, sb, torch.bfloat16, bias, config=config)
