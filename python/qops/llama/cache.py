@@ -55,7 +55,9 @@ class HalfPagedKVCache(BlockAllocator):
     """A paged KV cache in a float dtype, with ``PagedKVCache``'s interface and the same block
     allocation (both are ``qops.kv_cache.BlockAllocator``s).
 
-    ``k_cache``, ``v_cache``: ``[L, num_blocks, H_kv, block_size, D]`` in ``dtype``.
+    ``k_cache``, ``v_cache``: ``[L, num_blocks + 1, H_kv, block_size, D]`` in ``dtype``: block
+    ``num_blocks`` is never handed out; ``write`` sends padding tokens (slot -1) there, which skips
+    them without a host synchronization, as ``reshape_and_cache_int8`` skips them.
     """
 
     kv_dtype = "fp16"
@@ -67,7 +69,7 @@ class HalfPagedKVCache(BlockAllocator):
             raise ValueError("HalfPagedKVCache: num_layers, num_kv_heads, num_blocks and block_size must be >= 1")
         super().__init__(num_blocks, block_size, device)
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
-        shape = (num_layers, num_blocks, num_kv_heads, block_size, head_dim)
+        shape = (num_layers, num_blocks + 1, num_kv_heads, block_size, head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         self.k_scales = self.v_scales = None
@@ -78,9 +80,11 @@ class HalfPagedKVCache(BlockAllocator):
         return self.k_cache[i], self.v_cache[i], None, None
 
     def write(self, i: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Store ``key``/``value`` ``[T, H_kv, D]`` at ``slot_mapping [T]`` (valid slots only: the
-        model never pads, and checking would synchronize with the host)."""
+        """Store ``key``/``value`` ``[T, H_kv, D]`` at ``slot_mapping [T]``; slot -1 is padding and
+        is skipped (written to the spare block). Other slots are not range-checked (that would
+        synchronize with the host)."""
         bs = self.block_size
+        slot_mapping = torch.where(slot_mapping >= 0, slot_mapping, self.num_blocks * bs)
         blk, off = slot_mapping // bs, slot_mapping % bs
         self.k_cache[i][blk, :, off] = key.to(self.dtype)
         self.v_cache[i][blk, :, off] = value.to(self.dtype)

@@ -3,10 +3,13 @@ packed together), then decode steps of one token per live sequence; greedy or sa
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
+
+from .model import token_rows
 
 
 @dataclass
@@ -39,6 +42,30 @@ class GenerationResult:
     def time_per_output_token_ms(self) -> float:
         """Mean time of one decode step (every live sequence gets one token per step)."""
         return 1e3 * self.decode_s / self.decode_steps if self.decode_steps else float("nan")
+
+
+class GenerationError(RuntimeError):
+    """A step of ``generate`` raised (e.g. the cache ran out of blocks mid-decode). ``result``
+    holds what was generated until then; the sequences ``generate`` added to the cache are freed.
+    The original exception is the ``__cause__``."""
+
+    def __init__(self, message: str, result: GenerationResult) -> None:
+        super().__init__(message)
+        self.result = result
+
+
+def _eos_set(eos_token_id) -> set[int]:
+    if eos_token_id is None:
+        return set()
+    if isinstance(eos_token_id, torch.Tensor):
+        eos_token_id = eos_token_id.reshape(-1).tolist()
+    if isinstance(eos_token_id, int):
+        return {eos_token_id}
+    try:
+        return {int(t) for t in eos_token_id}
+    except TypeError:
+        raise TypeError(f"generate: eos_token_id must be an int, a sequence of ints or a tensor, got "
+                        f"{type(eos_token_id).__name__}") from None
 
 
 def sample_next(logits: torch.Tensor, *, do_sample: bool = False, temperature: float = 1.0, top_k: int = 0,
@@ -75,20 +102,35 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int = 32, 
 
     Args:
         model: the quantized (or float-tree) model.
-        prompts: token id lists, any lengths >= 1 (one batch).
+        prompts: one list of token ids per prompt (ints in ``[0, vocab_size)``), any lengths >= 1
+            (one batch); a ``[B, S]`` integer tensor also works.
         max_new_tokens: tokens to generate per prompt (fewer if it hits ``eos_token_id``).
         do_sample, temperature, top_k, top_p: sampling (greedy when ``do_sample`` is False).
-        eos_token_id: stop a sequence at this token (or any of these); ``None``: never.
+        eos_token_id: stop a sequence at this token (or any of these: a sequence or a tensor of
+            ids); ``None``: never.
         seed: seeds the sampling generator.
-        cache: a cache from ``model.new_cache`` (default: one sized for this batch).
+        cache: a cache from ``model.new_cache`` (default: one sized for this batch). Sequences the
+            caller holds in it are left alone: ``generate`` adds its own, and frees them all when
+            it returns or raises.
+    Raises:
+        GenerationError: a step failed (e.g. the cache ran out of blocks); ``.result`` holds the
+            tokens generated so far.
     """
+    prompts = token_rows(prompts, model.args.vocab_size, "generate")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+        raise TypeError(f"generate: max_new_tokens must be an int, got {max_new_tokens!r}")
     dev = model.device
     b = len(prompts)
     if b == 0 or max_new_tokens <= 0:
         return GenerationResult(tokens=[[] for _ in prompts])
     if any(len(p) == 0 for p in prompts):
         raise ValueError("generate: every prompt needs at least one token")
-    eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
+    eos = _eos_set(eos_token_id)
+    limit = model.args.max_position_embeddings
+    longest = max(len(p) for p in prompts) + max_new_tokens
+    if longest > limit:
+        warnings.warn(f"generate: prompt + max_new_tokens reaches {longest} tokens, past the model's "
+                      f"context of {limit} (max_position_embeddings): quality degrades there", stacklevel=2)
     if cache is None:
         cache = model.cache_for([len(p) + max_new_tokens for p in prompts])
     gen = None
@@ -100,51 +142,60 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int = 32, 
     opts = dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, generator=gen)
     out: list[list[int]] = [[] for _ in range(b)]
     res = GenerationResult(tokens=out, kv_bytes_per_token=cache.bytes_per_token())
+    # Private sequence ids: a caller's cache may hold sequences of its own (any ids); these are
+    # unique to this call and are all freed when it ends, normally or not.
+    key = object()
+    ids = [(key, i) for i in range(b)]
+    live: list[int] = []
+    try:
+        _sync(dev)
+        t0 = time.perf_counter()
+        logits = model.step(prompts, ids, cache)
+        nxt = sample_next(logits, **opts).tolist()
+        _sync(dev)
+        res.prefill_s = time.perf_counter() - t0
 
-    _sync(dev)
-    t0 = time.perf_counter()
-    ids = list(range(b))
-    logits = model.step([list(p) for p in prompts], ids, cache)
-    nxt = sample_next(logits, **opts).tolist()
-    _sync(dev)
-    res.prefill_s = time.perf_counter() - t0
-
-    live = []
-    for i, t in zip(ids, nxt):
-        out[i].append(t)
-        if t in eos or max_new_tokens == 1:
-            cache.free(i)
-        else:
-            live.append(i)
-    steps = range(max_new_tokens - 1)
-    if progress:
-        try:
-            from tqdm.auto import tqdm
-            steps = tqdm(steps, desc="decoding", leave=False)
-        except ImportError:
-            pass
-    t1 = time.perf_counter()
-    for _ in steps:
-        if not live:
-            break
-        ts = time.perf_counter()
-        logits = model.step([[out[i][-1]] for i in live], live, cache)
-        nxt = sample_next(logits, **opts).tolist()  # .tolist() synchronizes
-        res.step_times.append(time.perf_counter() - ts)
-        res.decode_steps += 1
-        res.decode_tokens += len(live)
-        still = []
-        for i, t in zip(live, nxt):
+        for i, t in enumerate(nxt):
             out[i].append(t)
-            if t in eos or len(out[i]) >= max_new_tokens:
-                cache.free(i)
+            if t in eos or max_new_tokens == 1:
+                cache.free(ids[i])
             else:
-                still.append(i)
-        live = still
-    _sync(dev)
-    res.decode_s = time.perf_counter() - t1
-    for i in live:
-        cache.free(i)
+                live.append(i)
+        steps = range(max_new_tokens - 1)
+        if progress:
+            try:
+                from tqdm.auto import tqdm
+                steps = tqdm(steps, desc="decoding", leave=False)
+            except ImportError:
+                pass
+        t1 = time.perf_counter()
+        for _ in steps:
+            if not live:
+                break
+            ts = time.perf_counter()
+            logits = model.step([[out[i][-1]] for i in live], [ids[i] for i in live], cache)
+            nxt = sample_next(logits, **opts).tolist()  # .tolist() synchronizes
+            res.step_times.append(time.perf_counter() - ts)
+            res.decode_steps += 1
+            res.decode_tokens += len(live)
+            still = []
+            for i, t in zip(live, nxt):
+                out[i].append(t)
+                if t in eos or len(out[i]) >= max_new_tokens:
+                    cache.free(ids[i])
+                else:
+                    still.append(i)
+            live = still
+        _sync(dev)
+        res.decode_s = time.perf_counter() - t1
+    except Exception as e:
+        raise GenerationError(f"generate: a step failed after {sum(map(len, out))} generated tokens "
+                              f"({type(e).__name__}: {e}); the partial result is in .result", res) from e
+    finally:
+        known = set(cache.sequences())
+        for sid in ids:
+            if sid in known:
+                cache.free(sid)
     if dev.type == "cuda":
         res.peak_memory = torch.cuda.max_memory_allocated(dev)
     return res

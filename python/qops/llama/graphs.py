@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from .layers import StepContext
+from .model import token_rows
 
 
 class GraphDecoder:
@@ -31,6 +32,10 @@ class GraphDecoder:
         self.capture = capture
         self.model, self.cache, self.seq_ids = model, cache, list(seq_ids)
         b = len(self.seq_ids)
+        if b == 0 or len(set(self.seq_ids)) != b:
+            raise ValueError("GraphDecoder: seq_ids must be one or more distinct sequences")
+        for sid in self.seq_ids:
+            cache.seq_len(sid)  # KeyError naming an unknown sequence
         self.max_blocks = -(-max_context // cache.block_size)
         model.rotary.ensure(max_context)
         self.ids = torch.zeros(b, dtype=torch.long, device=dev)
@@ -44,7 +49,7 @@ class GraphDecoder:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
 
-    def _load(self, tokens) -> None:
+    def _load(self, tokens: list[int]) -> None:
         c, sid = self.cache, self.seq_ids
         slots = c.append_slots(sid, 1)
         lens = c.seq_lens(sid)
@@ -56,6 +61,24 @@ class GraphDecoder:
 
     @torch.no_grad()
     def step(self, tokens) -> torch.Tensor:
+        """Append ``tokens`` (one int per sequence, in ``[0, vocab_size)``) and run the step.
+        Transactional like ``model.step``: checked first; a step that raises leaves the cache as
+        it was."""
+        rows = token_rows([tokens], self.model.args.vocab_size, "GraphDecoder.step")[0]
+        if len(rows) != len(self.seq_ids):
+            raise ValueError(f"GraphDecoder.step: {len(rows)} tokens for {len(self.seq_ids)} sequences")
+        lens = [self.cache.seq_len(s) for s in self.seq_ids]
+        if max(lens) + 1 > self.max_blocks * self.cache.block_size:
+            raise ValueError(f"GraphDecoder.step: a sequence would grow to {max(lens) + 1} tokens, past "
+                             f"max_context = {self.max_blocks * self.cache.block_size}")
+        need = self.cache.blocks_needed(self.seq_ids, [1] * len(rows))
+        if need > self.cache.num_free_blocks:
+            raise RuntimeError(f"GraphDecoder.step: out of cache blocks: {need} needed, "
+                               f"{self.cache.num_free_blocks} free of {self.cache.num_blocks}")
+        with self.cache.transaction():
+            return self._run(rows)
+
+    def _run(self, tokens: list[int]) -> torch.Tensor:
         self._load(tokens)
         if not self.capture:
             return self.model(self.ids, self.ctx)

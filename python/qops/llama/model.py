@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import operator
 from pathlib import Path
 from typing import Hashable, Sequence
 
@@ -14,6 +15,44 @@ from .cache import blocks_needed, make_cache
 from .config import LlamaArgs, QuantConfig
 from .layers import MLP, Attention, DecoderLayer, FloatLinear, RMSNorm, Rotary, StepContext, W8A8Linear, \
     make_linear, rms_norm_float
+
+
+def token_rows(input_ids, vocab_size: int, where: str) -> list[list[int]]:
+    """``input_ids`` (one sequence of token ids per sequence, or an integer tensor ``[B, S]``) as
+    lists of Python ints, checked: integers (not floats or strings) in ``[0, vocab_size)``."""
+    if isinstance(input_ids, torch.Tensor):
+        if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+            raise TypeError(f"{where}: token ids must be an integer tensor, got {input_ids.dtype}")
+        if input_ids.dim() not in (1, 2):
+            raise ValueError(f"{where}: a token id tensor must be [S] or [B, S], got shape {tuple(input_ids.shape)}")
+        t = input_ids.to("cpu")
+        rows = t.tolist() if t.dim() == 2 else [t.tolist()]
+    else:
+        if isinstance(input_ids, (str, bytes)) or not isinstance(input_ids, Sequence):
+            raise TypeError(f"{where}: expected one list of token ids per sequence, got {type(input_ids).__name__}")
+        rows = []
+        for r in input_ids:
+            if isinstance(r, torch.Tensor):
+                r = token_rows(r.reshape(-1), vocab_size, where)[0]
+            elif isinstance(r, (str, bytes)) or not isinstance(r, Sequence):
+                raise TypeError(f"{where}: expected one list of token ids per sequence (e.g. [[1, 2, 3]]), "
+                                f"got an element of type {type(r).__name__}")
+            rows.append(list(r))
+    out = []
+    for r in rows:
+        ints = []
+        for t in r:
+            try:
+                if isinstance(t, bool):
+                    raise TypeError
+                i = operator.index(t)
+            except TypeError:
+                raise TypeError(f"{where}: token ids must be ints, got {t!r} ({type(t).__name__})") from None
+            if not 0 <= i < vocab_size:
+                raise ValueError(f"{where}: token id {i} is outside the vocabulary [0, {vocab_size})")
+            ints.append(i)
+        out.append(ints)
+    return out
 
 
 class QuantizedLlamaForCausalLM(nn.Module):
@@ -142,13 +181,17 @@ class QuantizedLlamaForCausalLM(nn.Module):
         lengths). Sequences unknown to the cache are prefilled (they must all be new); otherwise
         every sequence must bring exactly one token (a decode step). Returns float32 logits
         ``[B, V]`` of each sequence's last token (``last_only``), else ``[T, V]`` for all tokens.
+
+        Transactional: the arguments (token ids are ints in ``[0, vocab_size)``) and the free
+        blocks are checked before any slot is reserved, and a step that raises later gives its
+        slots back, so the cache is as it was before the call.
         """
-        if isinstance(input_ids, torch.Tensor):
-            rows = [r for r in input_ids.to("cpu").tolist()] if input_ids.dim() == 2 else [input_ids.tolist()]
-        else:
-            rows = [list(r) for r in input_ids]
+        rows = token_rows(input_ids, self.args.vocab_size, "step")
+        seq_ids = list(seq_ids)
         if len(rows) != len(seq_ids):
             raise ValueError(f"step: {len(rows)} token lists for {len(seq_ids)} sequence ids")
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError("step: seq_ids must be distinct")
         live = set(cache.sequences())
         known = [sid in live for sid in seq_ids]
         qlens = [len(r) for r in rows]
@@ -163,19 +206,26 @@ class QuantizedLlamaForCausalLM(nn.Module):
                              "known ones, not both")
         dev = self.device
         starts = [cache.seq_len(s) if k else 0 for s, k in zip(seq_ids, known)]
-        self.rotary.ensure(max(s + n for s, n in zip(starts, qlens)))
-        slots = cache.append_slots(list(seq_ids), qlens)
-        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, qlens)]).to(dev)
-        ids = torch.tensor([t for r in rows for t in r], dtype=torch.long, device=dev)
-        ctx = StepContext(cache=cache, positions=positions, slot_mapping=slots, query_lens=qlens,
-                          decode=decode, prefill_from_cache=prefill_from_cache)
-        if decode:
-            ctx.block_tables = cache.block_tables(list(seq_ids))
-            ctx.seq_lens = cache.seq_lens(list(seq_ids))
-        last = None
-        if last_only:
-            last = torch.tensor(qlens, device=dev).cumsum(0) - 1
-        return self(ids, ctx, last)
+        need = cache.blocks_needed(seq_ids, qlens)
+        if need > cache.num_free_blocks:
+            raise RuntimeError(f"step: out of cache blocks: {need} needed, {cache.num_free_blocks} free of "
+                               f"{cache.num_blocks}")
+        # Everything is checked: reserve the slots and run; if anything raises from here on, the
+        # cache's transaction gives the slots back and the lengths are as before the call.
+        with cache.transaction():
+            self.rotary.ensure(max(s + n for s, n in zip(starts, qlens)))
+            slots = cache.append_slots(seq_ids, qlens)
+            positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, qlens)]).to(dev)
+            ids = torch.tensor([t for r in rows for t in r], dtype=torch.long, device=dev)
+            ctx = StepContext(cache=cache, positions=positions, slot_mapping=slots, query_lens=qlens,
+                              decode=decode, prefill_from_cache=prefill_from_cache)
+            if decode:
+                ctx.block_tables = cache.block_tables(seq_ids)
+                ctx.seq_lens = cache.seq_lens(seq_ids)
+            last = None
+            if last_only:
+                last = torch.tensor(qlens, device=dev).cumsum(0) - 1
+            return self(ids, ctx, last)
 
     @torch.no_grad()
     def score(self, input_ids: torch.Tensor, *, prefill_from_cache: bool = True) -> torch.Tensor:

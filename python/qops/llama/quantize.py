@@ -50,6 +50,10 @@ def hf_parts(model):
         raise NotImplementedError(f"qops.llama: model_type {cfg.model_type!r} is not supported (Llama only)")
     if getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False):
         raise NotImplementedError("qops.llama: Llama variants with biases are not supported")
+    act = getattr(cfg, "hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise NotImplementedError(f"qops.llama: hidden_act {act!r} is not supported (the MLP runs "
+                                  "SiLU-and-mul: silu only)")
     args = LlamaArgs.from_hf(cfg)
     sd = {k: v for k, v in model.state_dict().items()}
     if "lm_head.weight" not in sd or args.tie_word_embeddings:
@@ -196,6 +200,23 @@ def apply_smoothing(sd: dict, args: LlamaArgs, stats: dict, alpha: float, target
 
 
 # ---- the entry points ---------------------------------------------------------------------------
+def check_supported(args: LlamaArgs, qcfg: QuantConfig) -> None:
+    """Raise at quantize time, with the reason, for a model the quantized kernels cannot run
+    (instead of at the first decode step): the int8 GEMMs need K and N multiples of 16, the int8
+    KV cache's decode attention head_dim 64 or 128."""
+    if qcfg.weights:
+        sizes = {"hidden_size": args.hidden_size, "intermediate_size": args.intermediate_size,
+                 "num_heads * head_dim": args.num_heads * args.head_dim, "qkv size": args.qkv_size}
+        bad = {k: v for k, v in sizes.items() if v % 16}
+        if bad:
+            raise ValueError(f"qops.llama.quantize: W8A8 needs layer sizes that are multiples of 16 "
+                             f"(the int8 GEMMs' K and N), got {bad}; use weights=False")
+    if qcfg.kv_cache == "int8" and args.head_dim not in (64, 128):
+        raise ValueError(f"qops.llama.quantize: the int8 KV cache's decode attention supports head_dim "
+                         f"64 or 128, got {args.head_dim}; use kv_cache='fp16'")
+
+
+
 def quantize(model, calibration_tokens=None, config: QuantConfig | None = None, *, dtype: torch.dtype | None = None,
              device=None, calib_seq_len: int = 512, calib_batch_size: int = 4, progress: bool = True,
              stats: dict | None = None, **overrides) -> QuantizedLlamaForCausalLM:
@@ -244,11 +265,15 @@ def quantize_state_dict(sd: dict, args: LlamaArgs, qcfg: QuantConfig, *, calibra
     if qcfg.kv_cache == "int8" and dtype not in (torch.float16, torch.bfloat16):
         raise TypeError(f"qops.llama: the int8 KV cache takes float16 or bfloat16 K/V, got dtype={dtype}")
     device = torch.device(device) if device is not None else sd["model.embed_tokens.weight"].device
+    check_supported(args, qcfg)
 
     if qcfg.needs_calibration and stats is None:
         if calibration_tokens is None:
             raise ValueError(f"qops.llama.quantize: {qcfg.label()} (SmoothQuant or static scales) needs "
                              "calibration_tokens")
+        if torch.as_tensor(calibration_tokens).numel() < 2:
+            raise ValueError("qops.llama.quantize: calibration_tokens is empty (at least 2 tokens are "
+                             "needed; give a few thousand for useful statistics)")
         stats = calibrate(sd, args, calibration_tokens, seq_len=calib_seq_len, batch_size=calib_batch_size,
                           device=device, inv_freq=inv_freq, attention_scaling=attention_scaling, progress=progress)
     factors: dict = {}
