@@ -27,11 +27,20 @@
 
 namespace qops_glue {
 
-inline void append(std::string& s, const char* v) { s += v; }
-inline void append(std::string& s, const std::string& v) { s += v; }
-inline void append(std::string& s, char v) { s += v; }
-inline void append(std::string& s, bool v) { s += v ? "true" : "false"; }
-template <typename T, std::enable_if_t<std::is_integral_v<T> || std::is_floating_point_v<T>, int> = 0>
+inline void append(std::string& s, const char* v) {
+  s += v;
+}
+inline void append(std::string& s, const std::string& v) {
+  s += v;
+}
+inline void append(std::string& s, char v) {
+  s += v;
+}
+inline void append(std::string& s, bool v) {
+  s += v ? "true" : "false";
+}
+template <typename T,
+          std::enable_if_t<std::is_integral_v<T> || std::is_floating_point_v<T>, int> = 0>
 inline void append(std::string& s, T v) {
   s += std::to_string(v);
 }
@@ -43,8 +52,13 @@ inline void append(std::string& s, c10::IntArrayRef v) {
   }
   s += "]";
 }
-inline void append(std::string& s, c10::ScalarType v) { s += c10::toString(v); }
-inline void append(std::string& s, const c10::Device& v) { s += v.str(); }
+// Python's name of a dtype ("float32", "int8"), as the references' messages say it.
+inline void append(std::string& s, c10::ScalarType v) {
+  s += c10::getDtypeNames(v).first;
+}
+inline void append(std::string& s, const c10::Device& v) {
+  s += v.str();
+}
 
 template <typename... Args>
 std::string format_message(const Args&... args) {
@@ -63,12 +77,11 @@ inline void check_cuda(const at::Tensor& t, const char* op, const char* name) {
 
 inline void check_same_device(const at::Tensor& t, const at::Tensor& ref, const char* op,
                               const char* name) {
-  QOPS_CHECK_VALUE(t.device() == ref.device(), op, name, " must be on ", ref.device(),
-                   ", got ", t.device());
+  QOPS_CHECK_VALUE(t.device() == ref.device(), op, name, " must be on ", ref.device(), ", got ",
+                   t.device());
 }
 
-inline void check_dtype(const at::Tensor& t, at::ScalarType dt, const char* op,
-                        const char* name) {
+inline void check_dtype(const at::Tensor& t, at::ScalarType dt, const char* op, const char* name) {
   QOPS_CHECK_TYPE(t.scalar_type() == dt, op, name, " must be ", dt, ", got ", t.scalar_type());
 }
 
@@ -78,8 +91,8 @@ inline void check_half(const at::Tensor& t, const char* op, const char* name) {
 }
 
 inline void check_contiguous(const at::Tensor& t, const char* op, const char* name) {
-  QOPS_CHECK_VALUE(t.is_contiguous(), op, name, " must be contiguous (got strides ",
-                   t.strides(), ")");
+  QOPS_CHECK_VALUE(t.is_contiguous(), op, name, " must be contiguous (got strides ", t.strides(),
+                   ")");
 }
 
 // Row stride (in elements) of `t` [..., H] seen as rows of H contiguous elements: the last dim
@@ -89,6 +102,7 @@ inline int64_t row_stride(const at::Tensor& t, const char* op, const char* name)
   QOPS_CHECK_VALUE(t.dim() >= 1 && t.size(-1) > 0, op, name,
                    " must have a non-empty last dimension, got shape ", t.sizes());
   const int64_t H = t.size(-1);
+  if (t.numel() == 0) return H;  // no rows: nothing is read, any strides will do
   QOPS_CHECK_VALUE(H == 1 || t.stride(-1) == 1, op, name,
                    "'s last dimension must be contiguous (stride 1), got strides ", t.strides());
   int64_t stride = -1, expect = -1;
@@ -101,8 +115,7 @@ inline int64_t row_stride(const at::Tensor& t, const char* op, const char* name)
     }
     QOPS_CHECK_VALUE(t.stride(d) == expect, op, name,
                      "'s leading dimensions must collapse into rows one stride apart (got shape ",
-                     t.sizes(), ", strides ", t.strides(),
-                     "); pass a .contiguous() tensor");
+                     t.sizes(), ", strides ", t.strides(), "); pass a .contiguous() tensor");
     expect *= t.size(d);
   }
   return stride < 0 ? H : stride;
@@ -110,8 +123,7 @@ inline int64_t row_stride(const at::Tensor& t, const char* op, const char* name)
 
 // Converts a kernel's cudaError_t into a Python exception naming the op.
 inline void check_launch(cudaError_t err, const char* op) {
-  TORCH_CHECK(err == cudaSuccess, "qops.", op, ": CUDA kernel failed: ",
-              cudaGetErrorString(err));
+  TORCH_CHECK(err == cudaSuccess, "qops.", op, ": CUDA kernel failed: ", cudaGetErrorString(err));
 }
 
 }  // namespace qops_glue
@@ -120,5 +132,7 @@ inline void check_launch(cudaError_t err, const char* op) {
 // Not ATen/cuda/CUDAContext.h: it pulls in cuBLAS/cuSPARSE headers, which a CPU machine's CUDA
 // toolkit may lack, and the compile-only check in CI must work there.
 namespace qops_glue {
-inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream(); }
+inline cudaStream_t current_stream() {
+  return c10::cuda::getCurrentCUDAStream();
+}
 }  // namespace qops_glue

@@ -17,27 +17,22 @@ constexpr const char* kOp = "w8a8_gemm";
 // The int32 accumulator cannot overflow: |a * b| <= 128 * 128 and K * 2^14 < 2^31.
 constexpr int64_t kMaxK = 131071;
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
-// Python's name of a dtype ("int8", "float32"), as the reference's messages say it.
-std::string dtype_name(at::ScalarType t) { return std::string(c10::getDtypeNames(t).first); }
-
-void check_dtype_is(const at::Tensor& t, at::ScalarType want, const char* name) {
-  QOPS_CHECK_TYPE(t.scalar_type() == want, kOp, name, " must be ", dtype_name(want), ", got ",
-                  dtype_name(t.scalar_type()));
+bool aligned16(const void* p) {
+  return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 }
 
 // An int8 [rows, K] operand the kernels read with TMA: unit stride along K, a row stride and a
 // base address that are multiples of 16 bytes (slices of a wider row-major tensor qualify).
 void check_operand(const at::Tensor& t, const char* name, const char* shape) {
-  check_dtype_is(t, at::kChar, name);
+  check_dtype(t, at::kChar, kOp, name);
   QOPS_CHECK_VALUE(t.dim() == 2, kOp, name, " must be 2-D ", shape, ", got shape ", t.sizes());
   if (t.numel() == 0) return;  // nothing is read
   QOPS_CHECK_VALUE(t.size(1) <= 1 || t.stride(1) == 1, kOp, name,
                    " must be row-major (stride 1 along K), got strides ", t.strides());
-  QOPS_CHECK_VALUE(t.size(0) <= 1 || (t.stride(0) >= t.size(1) && t.stride(0) % 16 == 0), kOp,
-                   name, "'s rows must not overlap and their stride must be a multiple of 16 "
-                   "elements, got shape ", t.sizes(), " and strides ", t.strides());
+  QOPS_CHECK_VALUE(t.size(0) <= 1 || (t.stride(0) >= t.size(1) && t.stride(0) % 16 == 0), kOp, name,
+                   "'s rows must not overlap and their stride must be a multiple of 16 "
+                   "elements, got shape ",
+                   t.sizes(), " and strides ", t.strides());
   QOPS_CHECK_VALUE(aligned16(t.data_ptr()), kOp, name,
                    " must start at a 16-byte aligned address (slice a wider tensor at a "
                    "multiple of 16 columns, or pass a contiguous copy)");
@@ -48,7 +43,7 @@ void check_operand(const at::Tensor& t, const char* name, const char* shape) {
 at::Tensor checked_scale(const at::Tensor& s, int64_t len, const at::Tensor& a, const char* name,
                          const char* len_name) {
   check_same_device(s, a, kOp, name);
-  check_dtype_is(s, at::kFloat, name);
+  check_dtype(s, at::kFloat, kOp, name);
   QOPS_CHECK_VALUE(s.numel() == 1 || s.numel() == len, kOp, name, " must hold 1 or ", len_name,
                    " = ", len, " elements, got shape ", s.sizes());
   at::Tensor flat = s.reshape({s.numel()});
@@ -109,19 +104,19 @@ at::Tensor w8a8_gemm_cuda(const at::Tensor& a, const at::Tensor& b, const at::Te
   const int64_t M = a.size(0), K = a.size(1), N = b.size(0);
   QOPS_CHECK_VALUE(b.size(1) == K, kOp, "b must be [N, K] with K = ", K,
                    " (the nn.Linear weight layout), got shape ", b.sizes());
-  QOPS_CHECK_VALUE(K % 16 == 0 && N % 16 == 0, kOp, "K and N must be multiples of 16, got K = ",
-                   K, ", N = ", N);
+  QOPS_CHECK_VALUE(K % 16 == 0 && N % 16 == 0, kOp, "K and N must be multiples of 16, got K = ", K,
+                   ", N = ", N);
   QOPS_CHECK_VALUE(K <= kMaxK, kOp, "K must be at most ", kMaxK,
                    " (beyond it the int32 accumulator can overflow), got ", K);
   QOPS_CHECK_VALUE(M <= INT32_MAX, kOp, "M must fit in int32, got ", M);
   QOPS_CHECK_TYPE(out_dtype == at::kHalf || out_dtype == at::kBFloat16, kOp,
-                  "out_dtype must be float16 or bfloat16, got ", dtype_name(out_dtype));
+                  "out_dtype must be float16 or bfloat16, got ", out_dtype);
   at::Tensor sa = checked_scale(a_scale, M, a, "a_scale", "M");
   at::Tensor sb = checked_scale(b_scale, N, a, "b_scale", "N");
   if (bias.has_value()) {
     check_same_device(*bias, a, kOp, "bias");
     QOPS_CHECK_TYPE(bias->scalar_type() == out_dtype, kOp, "bias must have the output dtype ",
-                    dtype_name(out_dtype), ", got ", dtype_name(bias->scalar_type()));
+                    out_dtype, ", got ", bias->scalar_type());
     QOPS_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == N, kOp, "bias must be [N] = [", N,
                      "], got shape ", bias->sizes());
     check_contiguous(*bias, kOp, "bias");
@@ -174,12 +169,16 @@ at::Tensor w8a8_gemm_cuda(const at::Tensor& a, const at::Tensor& b, const at::Te
   }
   if (err == cudaSuccess) err = w8a8::gemm(p, cfg, options, current_stream());
   TORCH_CHECK_NOT_IMPLEMENTED(err != cudaErrorNoKernelImageForDevice,
-                              format_message("qops.", kOp, ": the CUDA kernels are built for sm_90a "
-                                             "(Hopper) only; ", a.device(), " is another architecture"));
+                              format_message("qops.", kOp,
+                                             ": the CUDA kernels are built for sm_90a "
+                                             "(Hopper) only; ",
+                                             a.device(), " is another architecture"));
   check_launch(err, kOp);
   return d;
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(qops, CUDA, m) { m.impl("w8a8_gemm", &w8a8_gemm_cuda); }
+TORCH_LIBRARY_IMPL(qops, CUDA, m) {
+  m.impl("w8a8_gemm", &w8a8_gemm_cuda);
+}
