@@ -6,6 +6,7 @@
   ``torch.compile(wrapper, fullgraph=True)`` (as FlashInfer's conftest does): every test that calls
   an op through its wrapper then exercises the op's fake, schema and compiled call as well.
 """
+
 from __future__ import annotations
 
 import functools
@@ -17,6 +18,13 @@ import torch
 import qops  # registers the ops
 
 HAS_CUDA = torch.cuda.is_available()
+
+try:  # hypothesis profiles for the property tests: "sanitize" keeps them short under compute-sanitizer
+    from hypothesis import settings as _hypothesis_settings
+
+    _hypothesis_settings.register_profile("sanitize", max_examples=4, deadline=None)
+except ImportError:
+    pass
 TEST_COMPILE = os.environ.get("QOPS_TEST_COMPILE") == "1"
 
 

@@ -2,6 +2,7 @@
 decorators of qops._registry; no list is kept here): every op has a reference (CPU) kernel, a fake,
 an exported wrapper with the contract in its docstring, a section in docs/ops.md, and on CUDA either
 a compiled kernel or a clear NotImplementedError."""
+
 from __future__ import annotations
 
 import inspect
@@ -39,8 +40,9 @@ def test_every_op_has_reference_fake_and_documented_wrapper(name):
     # for several of them), and every keyword-only argument of the schema is reachable from it.
     schema = getattr(torch.ops.qops, name).default._schema
     schema_args = {a.name for a in schema.arguments}
-    kw_wrapper = {p.name for p in inspect.signature(wrapper).parameters.values()
-                  if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    kw_wrapper = {
+        p.name for p in inspect.signature(wrapper).parameters.values() if p.kind is inspect.Parameter.KEYWORD_ONLY
+    }
     assert kw_wrapper - {"tuning"} <= schema_args, f"qops.{name}: options {kw_wrapper} vs schema {schema_args}"
     kw_schema = {a.name for a in schema.arguments if a.kwarg_only}
     assert kw_schema <= kw_wrapper or "tuning" in kw_wrapper, f"qops.{name}: schema options {kw_schema}"
@@ -63,8 +65,16 @@ def _stand_in_args(name: str) -> tuple[list, dict]:
     """Well-typed CUDA arguments for `name`, made from its schema: the stub raises at dispatch,
     before it looks at them."""
     x = torch.zeros(4, 64, device="cuda", dtype=torch.float16)
-    by_type = {"Tensor": x, "float": 1.0, "int": 1, "bool": False, "ScalarType": torch.float16,
-               "str": "auto", "List[int]": []}
+    by_type = {
+        "Tensor": x,
+        "float": 1.0,
+        "int": 1,
+        "bool": False,
+        "ScalarType": torch.float16,
+        "str": "auto",
+        "List[int]": [],
+        "Optional[Tensor]": None,
+    }
     args, kwargs = [], {}
     for a in getattr(torch.ops.qops, name).default._schema.arguments:
         if a.has_default_value():

@@ -5,6 +5,7 @@ The references below are the numerical contract (docs/ops.md, docs/norm_activati
 float32, then symmetric int8 quantization through :mod:`qops.quantization`, either with a static
 per-tensor scale or with dynamic per-token scales.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -41,32 +42,45 @@ class NormTuning(FusedQuantTuning):
 def _check_tuning(op: str, t: NormTuning) -> None:
     check_fused_quant_tuning(op, t.threads_per_row, t.cluster)
     check(t.variant in NORM_VARIANTS, op, f"variant must be auto, rowres or pipelined, got '{t.variant}'")
-    check(t.pipe_stages in (0, 2, 3), op,
-          f"pipe_stages must be 0 (the kernel's choice), 2 or 3, got {t.pipe_stages}")
+    check(t.pipe_stages in (0, 2, 3), op, f"pipe_stages must be 0 (the kernel's choice), 2 or 3, got {t.pipe_stages}")
 
 
 def _tuning_kwargs(enable_pdl: bool | None, tuning: NormTuning | None) -> dict:
     t = tuning or NormTuning()
-    return dict(enable_pdl=envs.pdl(enable_pdl), variant=t.variant, pipe_stages=t.pipe_stages,
-                threads_per_row=t.threads_per_row, cluster=t.cluster)
+    return dict(
+        enable_pdl=envs.pdl(enable_pdl),
+        variant=t.variant,
+        pipe_stages=t.pipe_stages,
+        threads_per_row=t.threads_per_row,
+        cluster=t.cluster,
+    )
 
 
 # ---- argument checks (shared by the references; the CUDA glue makes the same checks) ------------
 def _check_norm_args(op: str, input: torch.Tensor, weight: torch.Tensor, epsilon: float, scale) -> None:
     check_dtype(input, HALF_DTYPES, op, "input")
-    check(input.dim() >= 1 and input.shape[-1] > 0, op,
-          f"input must have a non-empty last dimension, got shape {tuple(input.shape)}")
-    check(input.stride(-1) == 1, op, "input's last dimension must be contiguous (stride 1)")
+    check(
+        input.dim() >= 1 and input.shape[-1] > 0,
+        op,
+        f"input must have a non-empty last dimension, got shape {tuple(input.shape)}",
+    )
+    check(input.shape[-1] == 1 or input.stride(-1) == 1, op, "input's last dimension must be contiguous (stride 1)")
     H = input.shape[-1]
     check_dtype(weight, input.dtype, op, "weight")
-    check(weight.dim() == 1 and weight.shape[0] == H, op,
-          f"weight must have shape [{H}] (the input's last dimension), got {tuple(weight.shape)}")
+    check(
+        weight.dim() == 1 and weight.shape[0] == H,
+        op,
+        f"weight must have shape [{H}] (the input's last dimension), got {tuple(weight.shape)}",
+    )
     check(weight.device == input.device, op, f"weight must be on {input.device}, got {weight.device}")
     check(float(epsilon) >= 0.0, op, f"epsilon must be >= 0, got {epsilon}")
     if scale is not None:
         check_dtype(scale, torch.float32, op, "scale")
-        check(scale.numel() == 1, op, f"scale must hold one element (a static per-tensor scale), "
-              f"got shape {tuple(scale.shape)}")
+        check(
+            scale.numel() == 1,
+            op,
+            f"scale must hold one element (a static per-tensor scale), got shape {tuple(scale.shape)}",
+        )
         check(scale.device == input.device, op, f"scale must be on {input.device}, got {scale.device}")
         check_static_scale(op, "scale", scale)
 
@@ -89,13 +103,23 @@ def _quantize(y: torch.Tensor, scale: torch.Tensor | None) -> tuple[torch.Tensor
 
 # ---- rms_norm_quant ------------------------------------------------------------------------------
 @reference("rms_norm_quant")
-def _rms_norm_quant_ref(input: torch.Tensor, weight: torch.Tensor, epsilon: float,
-                        scale: torch.Tensor | None = None, *, enable_pdl: bool = True,
-                        variant: str = "auto", pipe_stages: int = 0, threads_per_row: int = 0,
-                        cluster: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def _rms_norm_quant_ref(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    epsilon: float,
+    scale: torch.Tensor | None = None,
+    *,
+    enable_pdl: bool = True,
+    variant: str = "auto",
+    pipe_stages: int = 0,
+    threads_per_row: int = 0,
+    cluster: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     _check_norm_args("rms_norm_quant", input, weight, epsilon, scale)
-    _check_tuning("rms_norm_quant", NormTuning(threads_per_row=threads_per_row, cluster=cluster, variant=variant,
-                                 pipe_stages=pipe_stages))
+    _check_tuning(
+        "rms_norm_quant",
+        NormTuning(threads_per_row=threads_per_row, cluster=cluster, variant=variant, pipe_stages=pipe_stages),
+    )
     return _quantize(_rms_norm_f32(input, weight, epsilon), scale)
 
 
@@ -112,9 +136,15 @@ def _rms_norm_quant_fake(input, weight, epsilon, scale=None, **options):
 
 
 @export
-def rms_norm_quant(input: torch.Tensor, weight: torch.Tensor, epsilon: float,
-                   scale: torch.Tensor | None = None, *, enable_pdl: bool | None = None,
-                   tuning: NormTuning | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def rms_norm_quant(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    epsilon: float,
+    scale: torch.Tensor | None = None,
+    *,
+    enable_pdl: bool | None = None,
+    tuning: NormTuning | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm followed by symmetric int8 quantization.
 
     ``y = input.float() * torch.rsqrt(input.float().pow(2).mean(-1, keepdim=True) + epsilon)
@@ -143,26 +173,41 @@ def rms_norm_quant(input: torch.Tensor, weight: torch.Tensor, epsilon: float,
     Returns:
         ``(out int8 [..., H] contiguous, scales float32 [...] (dynamic) or [1] (static))``.
     """
-    return torch.ops.qops.rms_norm_quant(input, weight, epsilon, scale,
-                                         **_tuning_kwargs(enable_pdl, tuning))
+    return torch.ops.qops.rms_norm_quant(input, weight, epsilon, scale, **_tuning_kwargs(enable_pdl, tuning))
 
 
 # ---- fused_add_rms_norm_quant --------------------------------------------------------------------
 @reference("fused_add_rms_norm_quant")
-def _fused_add_rms_norm_quant_ref(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                                  epsilon: float, scale: torch.Tensor | None = None, *,
-                                  enable_pdl: bool = True, variant: str = "auto", pipe_stages: int = 0,
-                                  threads_per_row: int = 0, cluster: int = 0
-                                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def _fused_add_rms_norm_quant_ref(
+    input: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    epsilon: float,
+    scale: torch.Tensor | None = None,
+    *,
+    enable_pdl: bool = True,
+    variant: str = "auto",
+    pipe_stages: int = 0,
+    threads_per_row: int = 0,
+    cluster: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     op = "fused_add_rms_norm_quant"
     _check_norm_args(op, input, weight, epsilon, scale)
-    _check_tuning(op, NormTuning(threads_per_row=threads_per_row, cluster=cluster, variant=variant,
-                                 pipe_stages=pipe_stages))
+    _check_tuning(
+        op, NormTuning(threads_per_row=threads_per_row, cluster=cluster, variant=variant, pipe_stages=pipe_stages)
+    )
     check_dtype(residual, input.dtype, op, "residual")
-    check(residual.shape == input.shape, op,
-          f"residual must have the input's shape {tuple(input.shape)}, got {tuple(residual.shape)}")
+    check(
+        residual.shape == input.shape,
+        op,
+        f"residual must have the input's shape {tuple(input.shape)}, got {tuple(residual.shape)}",
+    )
     check(residual.device == input.device, op, f"residual must be on {input.device}, got {residual.device}")
-    check(residual.stride(-1) == 1, op, "residual's last dimension must be contiguous (stride 1)")
+    check(
+        residual.shape[-1] == 1 or residual.stride(-1) == 1,
+        op,
+        "residual's last dimension must be contiguous (stride 1)",
+    )
     # The sum is formed in float32 and rounded once to the input dtype (what the kernel does, and
     # what PyTorch's half addition does); the norm then reads the rounded residual.
     new_res = (input.float() + residual.float()).to(input.dtype)
@@ -176,10 +221,16 @@ def _fused_add_rms_norm_quant_fake(input, residual, weight, epsilon, scale=None,
 
 
 @export
-def fused_add_rms_norm_quant(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                             epsilon: float, scale: torch.Tensor | None = None, *,
-                             enable_pdl: bool | None = None, tuning: NormTuning | None = None
-                             ) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_add_rms_norm_quant(
+    input: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    epsilon: float,
+    scale: torch.Tensor | None = None,
+    *,
+    enable_pdl: bool | None = None,
+    tuning: NormTuning | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Residual add (in place), RMSNorm, then symmetric int8 quantization.
 
     ``residual.copy_((input.float() + residual.float()).to(input.dtype))`` (the next layer reads
@@ -196,5 +247,6 @@ def fused_add_rms_norm_quant(input: torch.Tensor, residual: torch.Tensor, weight
     Returns:
         ``(out int8 [..., H] contiguous, scales float32 [...] (dynamic) or [1] (static))``.
     """
-    return torch.ops.qops.fused_add_rms_norm_quant(input, residual, weight, epsilon, scale,
-                                                   **_tuning_kwargs(enable_pdl, tuning))
+    return torch.ops.qops.fused_add_rms_norm_quant(
+        input, residual, weight, epsilon, scale, **_tuning_kwargs(enable_pdl, tuning)
+    )
