@@ -3,12 +3,13 @@
 # GPU tests and the chosen benchmarks, and leave logs and CSVs under $OUT.
 #
 #   bash tools/device_run.sh [-t PYTEST_ARGS] [-b "BENCH_MODULE ARGS"]... [-x "CMD"]... [--no-sm90]
-#                            [--sanitize "CMD"] [--no-build]
+#                            [--sanitize "ARGS"] [--no-build]
 #
 #   -t ARGS      pytest arguments (default: "-m gpu tests"); "none" skips the tests
 #   -b "M ARGS"  run `python -m M ARGS --out $OUT` (repeatable), e.g. -b "bench.bench_quant"
 #   --no-sm90    skip the sm_90a CUTLASS kernels (much faster build when working on other kernels)
-#   --sanitize C run C under compute-sanitizer memcheck and racecheck (e.g. "python -m pytest ...")
+#   --sanitize A run tools/sanitize.sh A (compute-sanitizer memcheck, racecheck, synccheck over the
+#                kernel tests; A: its arguments, e.g. "--tools memcheck" or "" for the defaults)
 #   -x "CMD"     run CMD with bash (repeatable; logged as cmdN.log), e.g. an ncu profile:
 #                -x "ncu --clock-control none -k regex:rms_norm --launch-skip 2 --launch-count 1
 #                    --set full python3 -m tools.probe_memory_bound --ncu norm"
@@ -25,6 +26,7 @@ TESTS="-m gpu tests"
 BENCHES=()
 CMDS=()
 SANITIZE=""
+RUN_SANITIZE=0
 BUILD=1
 export QOPS_ENABLE_SM90=${QOPS_ENABLE_SM90:-ON}
 while [ $# -gt 0 ]; do
@@ -33,7 +35,7 @@ while [ $# -gt 0 ]; do
     -b) BENCHES+=("$2"); shift 2 ;;
     -x) CMDS+=("$2"); shift 2 ;;
     --no-sm90) export QOPS_ENABLE_SM90=OFF; shift ;;
-    --sanitize) SANITIZE="$2"; shift 2 ;;
+    --sanitize) SANITIZE="$2"; RUN_SANITIZE=1; shift 2 ;;
     --no-build) BUILD=0; shift ;;
     *) echo "device_run.sh: unknown argument $1" >&2; exit 2 ;;
   esac
@@ -83,10 +85,9 @@ if [ "$TESTS" != "none" ]; then
   # shellcheck disable=SC2086
   step "pytest $TESTS" tests.log python3 -m pytest -q -rs $TESTS || rc_all=1
 fi
-if [ -n "$SANITIZE" ]; then
-  # bash -c keeps the quoting of SANITIZE (e.g. a pytest -k expression with spaces)
-  step "memcheck" memcheck.log bash -c "compute-sanitizer --tool memcheck --error-exitcode 9 $SANITIZE" || rc_all=1
-  step "racecheck" racecheck.log bash -c "compute-sanitizer --tool racecheck --error-exitcode 9 $SANITIZE" || rc_all=1
+if [ "$RUN_SANITIZE" = 1 ]; then
+  # bash -c keeps the quoting of SANITIZE (e.g. a pytest -k expression after --)
+  step "sanitize" sanitize.log bash -c "bash tools/sanitize.sh --out '$OUT' $SANITIZE" || rc_all=1
 fi
 for b in "${BENCHES[@]}"; do
   name=${b%% *}; name=${name##*.}
