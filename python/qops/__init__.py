@@ -8,6 +8,7 @@ Every public module of this package is imported here; the family modules registe
 reference and fake implementations and mark their public objects with ``@export``
 (``qops._registry``), which this module re-exports. Adding an op or a family edits no list here.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -16,9 +17,13 @@ from typing import Any
 
 import torch  # noqa: F401  (loads libtorch before our extension)
 
-from . import _C  # noqa: F401  (the op schemas, and the CUDA kernels when built with CUDA)
+# _C: the op schemas, and the CUDA kernels when built with CUDA. A compiled extension without a
+# stub, so mypy cannot see it as a submodule of this package.
+from . import _C as _C  # type: ignore[attr-defined]
 from . import _registry
-from ._registry import has_cuda_kernel, install_missing_cuda_stubs, op_names
+from ._registry import has_cuda_kernel as has_cuda_kernel
+from ._registry import install_missing_cuda_stubs
+from ._registry import op_names as op_names
 
 for _module in pkgutil.iter_modules(__path__):
     if not _module.ispkg and not _module.name.startswith("_"):

@@ -16,11 +16,13 @@ list anywhere:
   ``NotImplementedError`` instead of PyTorch's generic dispatch error (and never falls back to the
   CPU reference).
 """
+
 from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
@@ -111,9 +113,7 @@ def fakes() -> dict[str, Callable]:
 def op_names() -> list[str]:
     """Names of all ops defined in the ``qops`` namespace (from the C++ schemas)."""
     prefix = NAMESPACE + "::"
-    return sorted(
-        {s.name[len(prefix):] for s in torch._C._jit_get_all_schemas() if s.name.startswith(prefix)}
-    )
+    return sorted({s.name[len(prefix) :] for s in torch._C._jit_get_all_schemas() if s.name.startswith(prefix)})
 
 
 def has_cuda_kernel(name: str) -> bool:
@@ -164,8 +164,11 @@ def check_static_scale(op: str, name: str, scale: torch.Tensor) -> None:
     (docs/ops.md: there an invalid scale gives IEEE division's result)."""
     if scale.device.type == "meta" or isinstance(scale, torch._subclasses.FakeTensor):
         return
-    check(bool(torch.isfinite(scale).all()) and bool((scale > 0).all()), op,
-          f"{name} must be finite and > 0, got {scale.flatten()[:4].tolist()}")
+    check(
+        bool(torch.isfinite(scale).all()) and bool((scale > 0).all()),
+        op,
+        f"{name} must be finite and > 0, got {scale.flatten()[:4].tolist()}",
+    )
 
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)

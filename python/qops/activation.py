@@ -3,6 +3,7 @@
 The reference below is the numerical contract (docs/ops.md, docs/norm_activation.md): the gated
 activation in float32, then symmetric int8 quantization through :mod:`qops.quantization`.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -31,21 +32,29 @@ class FusedQuantTuning:
 
 
 def check_fused_quant_tuning(op: str, threads_per_row: int, cluster: int) -> None:
-    check(0 <= threads_per_row <= 1024, op,
-          f"threads_per_row must be in [0, 1024] (0: the kernel's choice), got {threads_per_row}")
-    check(cluster in (0, 1, 2, 4, 8), op,
-          f"cluster must be 0 (the kernel's choice), 1, 2, 4 or 8, got {cluster}")
+    check(
+        0 <= threads_per_row <= 1024,
+        op,
+        f"threads_per_row must be in [0, 1024] (0: the kernel's choice), got {threads_per_row}",
+    )
+    check(cluster in (0, 1, 2, 4, 8), op, f"cluster must be 0 (the kernel's choice), 1, 2, 4 or 8, got {cluster}")
 
 
 def _check_args(op: str, input: torch.Tensor, scale) -> None:
     check_dtype(input, HALF_DTYPES, op, "input")
-    check(input.dim() >= 1 and input.shape[-1] > 0 and input.shape[-1] % 2 == 0, op,
-          f"input's last dimension must be 2*I > 0 (gate then up), got shape {tuple(input.shape)}")
+    check(
+        input.dim() >= 1 and input.shape[-1] > 0 and input.shape[-1] % 2 == 0,
+        op,
+        f"input's last dimension must be 2*I > 0 (gate then up), got shape {tuple(input.shape)}",
+    )
     check(input.stride(-1) == 1, op, "input's last dimension must be contiguous (stride 1)")
     if scale is not None:
         check_dtype(scale, torch.float32, op, "scale")
-        check(scale.numel() == 1, op, f"scale must hold one element (a static per-tensor scale), "
-              f"got shape {tuple(scale.shape)}")
+        check(
+            scale.numel() == 1,
+            op,
+            f"scale must hold one element (a static per-tensor scale), got shape {tuple(scale.shape)}",
+        )
         check(scale.device == input.device, op, f"scale must be on {input.device}, got {scale.device}")
         check_static_scale(op, "scale", scale)
 
@@ -59,9 +68,14 @@ def _silu_and_mul_f32(x: torch.Tensor) -> torch.Tensor:
 
 
 @reference("silu_and_mul_quant")
-def _silu_and_mul_quant_ref(input: torch.Tensor, scale: torch.Tensor | None = None, *,
-                            enable_pdl: bool = True, threads_per_row: int = 0, cluster: int = 0
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
+def _silu_and_mul_quant_ref(
+    input: torch.Tensor,
+    scale: torch.Tensor | None = None,
+    *,
+    enable_pdl: bool = True,
+    threads_per_row: int = 0,
+    cluster: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     _check_args("silu_and_mul_quant", input, scale)
     check_fused_quant_tuning("silu_and_mul_quant", threads_per_row, cluster)
     y = _silu_and_mul_f32(input)
@@ -81,9 +95,13 @@ def _silu_and_mul_quant_fake(input, scale=None, **options):
 
 
 @export
-def silu_and_mul_quant(input: torch.Tensor, scale: torch.Tensor | None = None, *,
-                       enable_pdl: bool | None = None, tuning: FusedQuantTuning | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+def silu_and_mul_quant(
+    input: torch.Tensor,
+    scale: torch.Tensor | None = None,
+    *,
+    enable_pdl: bool | None = None,
+    tuning: FusedQuantTuning | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """SiLU-and-mul (the gated MLP activation) followed by symmetric int8 quantization.
 
     With ``g, u = input.float()[..., :I], input.float()[..., I:]``:
@@ -109,5 +127,6 @@ def silu_and_mul_quant(input: torch.Tensor, scale: torch.Tensor | None = None, *
         ``(out int8 [..., I] contiguous, scales float32 [...] (dynamic) or [1] (static))``.
     """
     t = tuning or FusedQuantTuning()
-    return torch.ops.qops.silu_and_mul_quant(input, scale, enable_pdl=envs.pdl(enable_pdl),
-                                             threads_per_row=t.threads_per_row, cluster=t.cluster)
+    return torch.ops.qops.silu_and_mul_quant(
+        input, scale, enable_pdl=envs.pdl(enable_pdl), threads_per_row=t.threads_per_row, cluster=t.cluster
+    )

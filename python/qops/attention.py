@@ -5,6 +5,7 @@ cache dequantized on the fly with its per-(token, head) or static scales, float3
 accumulation, optional ALiBi. The CUDA kernel splits long contexts across CTAs (flash-decoding)
 and the last CTA of each head group merges the partial softmaxes; see docs/kv_cache.md.
 """
+
 from __future__ import annotations
 
 import math
@@ -53,8 +54,7 @@ def _check_tuning(merge: str, warps: int) -> None:
     check(warps in (0, 4, 8), _OP, f"warps must be 0 (the kernel's choice), 4 or 8, got {warps}")
 
 
-def _check_args(query, k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens, alibi_slopes,
-                num_splits) -> str:
+def _check_args(query, k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens, alibi_slopes, num_splits) -> str:
     op = _OP
     check_dtype(query, HALF_DTYPES, op, "query")
     check(query.dim() == 3, op, f"query must be [B, HQ, D], got shape {tuple(query.shape)}")
@@ -64,24 +64,33 @@ def _check_args(query, k_cache, v_cache, k_scales, v_scales, block_tables, seq_l
     hkv = k_cache.shape[1]
     check(d == k_cache.shape[3], op, f"query's D = {d} must match k_cache's D = {k_cache.shape[3]}")
     check(d in HEAD_DIMS, op, f"head dim D must be one of {HEAD_DIMS}, got {d}")
-    check(hq % hkv == 0, op,
-          f"the number of query heads ({hq}) must be a multiple of the number of kv heads ({hkv})")
+    check(hq % hkv == 0, op, f"the number of query heads ({hq}) must be a multiple of the number of kv heads ({hkv})")
     check_dtype(block_tables, torch.int32, op, "block_tables")
-    check(block_tables.dim() == 2 and block_tables.shape[0] == b and block_tables.shape[1] >= 1, op,
-          f"block_tables must be int32 [B, max_blocks] with B = {b}, max_blocks >= 1, got shape "
-          f"{tuple(block_tables.shape)}")
+    check(
+        block_tables.dim() == 2 and block_tables.shape[0] == b and block_tables.shape[1] >= 1,
+        op,
+        f"block_tables must be int32 [B, max_blocks] with B = {b}, max_blocks >= 1, got shape "
+        f"{tuple(block_tables.shape)}",
+    )
     check(block_tables.stride(1) == 1, op, "block_tables' last dimension must be contiguous (stride 1)")
     check_dtype(seq_lens, torch.int32, op, "seq_lens")
     check(tuple(seq_lens.shape) == (b,), op, f"seq_lens must be int32 [B] = [{b}], got {tuple(seq_lens.shape)}")
     check(seq_lens.is_contiguous(), op, "seq_lens must be contiguous")
     if alibi_slopes is not None:
         check_dtype(alibi_slopes, torch.float32, op, "alibi_slopes")
-        check(tuple(alibi_slopes.shape) == (hq,), op,
-              f"alibi_slopes must be float32 [HQ] = [{hq}], got {tuple(alibi_slopes.shape)}")
+        check(
+            tuple(alibi_slopes.shape) == (hq,),
+            op,
+            f"alibi_slopes must be float32 [HQ] = [{hq}], got {tuple(alibi_slopes.shape)}",
+        )
         check(alibi_slopes.is_contiguous(), op, "alibi_slopes must be contiguous")
     check(num_splits >= 0, op, f"num_splits must be >= 0 (0: heuristic), got {num_splits}")
-    for name, t in (("query", query), ("block_tables", block_tables), ("seq_lens", seq_lens),
-                    ("alibi_slopes", alibi_slopes)):
+    for name, t in (
+        ("query", query),
+        ("block_tables", block_tables),
+        ("seq_lens", seq_lens),
+        ("alibi_slopes", alibi_slopes),
+    ):
         if t is not None:
             check(t.device == k_cache.device, op, f"{name} must be on {k_cache.device}, got {t.device}")
     return mode
@@ -138,34 +147,67 @@ def decode_attention_reference(
 
 
 @reference(_OP)
-def _paged_decode_attention_int8_ref(query, k_cache, v_cache, k_scales, v_scales, block_tables,
-                                     seq_lens, sm_scale, alibi_slopes=None, num_splits=0,
-                                     overlap_prologue=False, *, enable_pdl=True, merge="auto", warps=0):
+def _paged_decode_attention_int8_ref(
+    query,
+    k_cache,
+    v_cache,
+    k_scales,
+    v_scales,
+    block_tables,
+    seq_lens,
+    sm_scale,
+    alibi_slopes=None,
+    num_splits=0,
+    overlap_prologue=False,
+    *,
+    enable_pdl=True,
+    merge="auto",
+    warps=0,
+):
     _check_tuning(merge, warps)
-    _check_args(query, k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens, alibi_slopes,
-                num_splits)
+    _check_args(query, k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens, alibi_slopes, num_splits)
     bs, num_blocks = k_cache.shape[2], k_cache.shape[0]
     cap = block_tables.shape[1] * bs
     bad_len = (seq_lens < 0) | (seq_lens > cap)
-    check(not bool(bad_len.any()), _OP,
-          f"seq_lens must be in [0, max_blocks * block_size = {cap}], got {seq_lens[bad_len][:8].tolist()}")
+    check(
+        not bool(bad_len.any()),
+        _OP,
+        f"seq_lens must be in [0, max_blocks * block_size = {cap}], got {seq_lens[bad_len][:8].tolist()}",
+    )
     used = torch.arange(block_tables.shape[1]) * bs < seq_lens.long()[:, None]  # blocks read
     bad_blk = used & ((block_tables < 0) | (block_tables >= num_blocks))
-    check(not bool(bad_blk.any()), _OP,
-          f"block_tables holds block ids outside [0, num_blocks = {num_blocks}) within seq_lens: "
-          f"{block_tables[bad_blk][:8].tolist()}")
-    out = decode_attention_reference(query, k_cache, v_cache, k_scales, v_scales, block_tables,
-                                     seq_lens, sm_scale, alibi_slopes, torch.float32)
+    check(
+        not bool(bad_blk.any()),
+        _OP,
+        f"block_tables holds block ids outside [0, num_blocks = {num_blocks}) within seq_lens: "
+        f"{block_tables[bad_blk][:8].tolist()}",
+    )
+    out = decode_attention_reference(
+        query, k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens, sm_scale, alibi_slopes, torch.float32
+    )
     return out.to(query.dtype)
 
 
 @fake(_OP)
-def _paged_decode_attention_int8_fake(query, k_cache, v_cache, k_scales, v_scales, block_tables,
-                                      seq_lens, sm_scale, alibi_slopes=None, num_splits=0,
-                                      overlap_prologue=False, *, enable_pdl=True, merge="auto", warps=0):
+def _paged_decode_attention_int8_fake(
+    query,
+    k_cache,
+    v_cache,
+    k_scales,
+    v_scales,
+    block_tables,
+    seq_lens,
+    sm_scale,
+    alibi_slopes=None,
+    num_splits=0,
+    overlap_prologue=False,
+    *,
+    enable_pdl=True,
+    merge="auto",
+    warps=0,
+):
     _check_tuning(merge, warps)
-    _check_args(query, k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens, alibi_slopes,
-                num_splits)
+    _check_args(query, k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens, alibi_slopes, num_splits)
     return torch.empty_like(query, memory_format=torch.contiguous_format)
 
 
@@ -241,6 +283,18 @@ def paged_decode_attention_int8(
         sm_scale = query.shape[-1] ** -0.5
     t = tuning or DecodeTuning()
     return torch.ops.qops.paged_decode_attention_int8(
-        query, k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens, float(sm_scale),
-        alibi_slopes, int(num_splits), bool(overlap_prologue), enable_pdl=envs.pdl(enable_pdl),
-        merge=t.merge, warps=t.warps)
+        query,
+        k_cache,
+        v_cache,
+        k_scales,
+        v_scales,
+        block_tables,
+        seq_lens,
+        float(sm_scale),
+        alibi_slopes,
+        int(num_splits),
+        bool(overlap_prologue),
+        enable_pdl=envs.pdl(enable_pdl),
+        merge=t.merge,
+        warps=t.warps,
+    )

@@ -17,6 +17,7 @@ before ``import qops``; tests and benchmarks pass arguments instead.
 ``QOPS_CACHE``
     Cache folder (the converted tokenizer), default ``~/.cache/qops``.
 """
+
 from __future__ import annotations
 
 import os

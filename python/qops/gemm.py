@@ -3,6 +3,7 @@
 The CUDA kernels (Hopper, sm_90a) are CUTLASS GEMMs generated at build time through the CUTLASS
 Python interface (``cutlass_kernels/``); ``docs/w8a8_gemm.md`` describes them.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -51,21 +52,44 @@ def _check_args(a, b, a_scale, b_scale, out_dtype, bias) -> None:
     check(a.dim() == 2, _OP, f"a must be 2-D [M, K], got shape {tuple(a.shape)}")
     check(b.dim() == 2, _OP, f"b must be 2-D [N, K], got shape {tuple(b.shape)}")
     (m, k), n = a.shape, b.shape[0]
-    check(b.shape[1] == k, _OP, f"b must be [N, K] with K = {k} (the nn.Linear weight layout), got shape {tuple(b.shape)}")
+    check(
+        b.shape[1] == k, _OP, f"b must be [N, K] with K = {k} (the nn.Linear weight layout), got shape {tuple(b.shape)}"
+    )
     check(k % 16 == 0 and n % 16 == 0, _OP, f"K and N must be multiples of 16, got K = {k}, N = {n}")
     check(k <= MAX_K, _OP, f"K must be at most {MAX_K} (beyond it the int32 accumulator can overflow), got {k}")
     check(out_dtype in HALF_DTYPES, _OP, f"out_dtype must be float16 or bfloat16, got {_name(out_dtype)}", TypeError)
     for name, s, length, length_name in (("a_scale", a_scale, m, "M"), ("b_scale", b_scale, n, "N")):
         check_dtype(s, torch.float32, _OP, name)
-        check(s.numel() in (1, length), _OP, f"{name} must hold 1 or {length_name} = {length} elements, got shape {tuple(s.shape)}")
+        check(
+            s.numel() in (1, length),
+            _OP,
+            f"{name} must hold 1 or {length_name} = {length} elements, got shape {tuple(s.shape)}",
+        )
     if bias is not None:
-        check(bias.dtype == out_dtype, _OP, f"bias must have the output dtype {_name(out_dtype)}, got {_name(bias.dtype)}", TypeError)
+        check(
+            bias.dtype == out_dtype,
+            _OP,
+            f"bias must have the output dtype {_name(out_dtype)}, got {_name(bias.dtype)}",
+            TypeError,
+        )
         check(tuple(bias.shape) == (n,), _OP, f"bias must be [N] = [{n}], got shape {tuple(bias.shape)}")
 
 
 @reference(_OP)
-def _w8a8_gemm_ref(a, b, a_scale, b_scale, out_dtype, bias=None, *, config="auto",
-                   overlap_prologue=False, enable_pdl=True, gemv_shape=(), gemv_early=-1):
+def _w8a8_gemm_ref(
+    a,
+    b,
+    a_scale,
+    b_scale,
+    out_dtype,
+    bias=None,
+    *,
+    config="auto",
+    overlap_prologue=False,
+    enable_pdl=True,
+    gemv_shape=(),
+    gemv_early=-1,
+):
     _check_args(a, b, a_scale, b_scale, out_dtype, bias)
     _check_gemv_options(gemv_shape, gemv_early)
     # acc = a.int32 @ b.int32.T, computed in float64: every partial sum is an integer below
@@ -136,6 +160,15 @@ def w8a8_gemm(
     """
     t = tuning or GemvTuning()
     return torch.ops.qops.w8a8_gemm(
-        a, b, a_scale, b_scale, out_dtype, bias, config=config, overlap_prologue=bool(overlap_prologue),
-        enable_pdl=envs.pdl(enable_pdl), gemv_shape=list(t.shape or ()),
-        gemv_early=-1 if t.early_batches is None else int(t.early_batches))
+        a,
+        b,
+        a_scale,
+        b_scale,
+        out_dtype,
+        bias,
+        config=config,
+        overlap_prologue=bool(overlap_prologue),
+        enable_pdl=envs.pdl(enable_pdl),
+        gemv_shape=list(t.shape or ()),
+        gemv_early=-1 if t.early_batches is None else int(t.early_batches),
+    )

@@ -9,6 +9,7 @@ One row is one (token, kv head) of ``D`` channels in ``G = num_groups`` groups o
 
 with unsigned ``q`` in [0, 15] and ``x ~= q * scale_g + shift_g``.
 """
+
 from __future__ import annotations
 
 import torch
@@ -49,15 +50,15 @@ def _quantize_kv_int4_ref(kv: torch.Tensor, num_groups: int) -> torch.Tensor:
     hi = torch.where(nan, -torch.inf, x).amax(-1)
     empty = torch.isinf(lo)  # every value NaN
     lo, hi = torch.where(empty, 0.0, lo), torch.where(empty, 0.0, hi)
-    shift = lo.to(torch.float16)                       # fp16(min)
+    shift = lo.to(torch.float16)  # fp16(min)
     scale = ((hi - lo) / INT4_KV_MAX).to(torch.float16)  # fp16((max - min) / 15), f32 division
     s = scale.float().unsqueeze(-1)
     b = shift.float().unsqueeze(-1)
-    q = ((x - b) / s).round().clamp(0, INT4_KV_MAX)    # round half to even, with the fp16 values
+    q = ((x - b) / s).round().clamp(0, INT4_KV_MAX)  # round half to even, with the fp16 values
     q = torch.where((s == 0) | torch.isnan(q), torch.zeros_like(q), q).to(torch.uint8)
     q = q.reshape(*lead, d)
-    data = q[..., 0::2] | (q[..., 1::2] << 4)          # [..., D/2]
-    header = torch.stack((scale, shift), dim=-1)       # [..., G, 2] fp16
+    data = q[..., 0::2] | (q[..., 1::2] << 4)  # [..., D/2]
+    header = torch.stack((scale, shift), dim=-1)  # [..., G, 2] fp16
     header = header.view(torch.uint8).reshape(*lead, 4 * g)
     return torch.cat((header, data), dim=-1)
 
@@ -112,16 +113,22 @@ def dequantize_kv_int4(
     check_dtype(rows, torch.uint8, op, "rows")
     _check_head_dim_groups(op, head_dim, num_groups, "head_dim")
     row_bytes = kv_int4_row_bytes(head_dim, num_groups)
-    check(rows.dim() >= 1 and rows.shape[-1] == row_bytes, op,
-          f"rows' last dimension must be {row_bytes} (4 * num_groups + head_dim / 2), got shape "
-          f"{tuple(rows.shape)}")
-    check(dtype in (torch.float32, *HALF_DTYPES), op,
-          f"dtype must be float32, float16 or bfloat16, got {dtype}", TypeError)
+    check(
+        rows.dim() >= 1 and rows.shape[-1] == row_bytes,
+        op,
+        f"rows' last dimension must be {row_bytes} (4 * num_groups + head_dim / 2), got shape {tuple(rows.shape)}",
+    )
+    check(
+        dtype in (torch.float32, *HALF_DTYPES),
+        op,
+        f"dtype must be float32, float16 or bfloat16, got {dtype}",
+        TypeError,
+    )
 
     lead, g, d = rows.shape[:-1], num_groups, head_dim
     header = rows[..., : 4 * g].contiguous().view(torch.float16).float().reshape(*lead, g, 2)
-    scale, shift = header[..., 0:1], header[..., 1:2]   # [..., G, 1]
-    data = rows[..., 4 * g:]
+    scale, shift = header[..., 0:1], header[..., 1:2]  # [..., G, 1]
+    data = rows[..., 4 * g :]
     q = torch.stack((data & 0xF, data >> 4), dim=-1).reshape(*lead, g, d // g).float()
     return (q * scale + shift).reshape(*lead, d).to(dtype)
 
@@ -144,21 +151,22 @@ def _check_int4_gqa_decode(
     row_bytes = kv_int4_row_bytes(d, num_groups)
     for name, t in (("k", k), ("v", v)):
         check_dtype(t, torch.uint8, op, name)
-        check(t.dim() == 4 and t.shape[0] == b and t.shape[3] == row_bytes, op,
-              f"{name} must be [B, T_max, H_kv, 4 * num_groups + D / 2] = [{b}, T_max, H_kv, "
-              f"{row_bytes}], got shape {tuple(t.shape)}")
+        check(
+            t.dim() == 4 and t.shape[0] == b and t.shape[3] == row_bytes,
+            op,
+            f"{name} must be [B, T_max, H_kv, 4 * num_groups + D / 2] = [{b}, T_max, H_kv, "
+            f"{row_bytes}], got shape {tuple(t.shape)}",
+        )
         check(t.stride(-1) == 1, op, f"{name}'s last dimension must be contiguous (stride 1)")
         check(t.device == query.device, op, f"{name} must be on {query.device}, got {t.device}")
-    check(v.shape == k.shape, op,
-          f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+    check(v.shape == k.shape, op, f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
     h_kv = k.shape[2]
-    check(h_kv > 0 and hq % h_kv == 0, op,
-          f"HQ (query.shape[1] = {hq}) must be a multiple of H_kv (k.shape[2] = {h_kv})")
+    check(
+        h_kv > 0 and hq % h_kv == 0, op, f"HQ (query.shape[1] = {hq}) must be a multiple of H_kv (k.shape[2] = {h_kv})"
+    )
     check_dtype(seq_lens, torch.int32, op, "seq_lens")
-    check(tuple(seq_lens.shape) == (b,), op,
-          f"seq_lens must be [B] = [{b}], got shape {tuple(seq_lens.shape)}")
-    check(seq_lens.device == query.device, op,
-          f"seq_lens must be on {query.device}, got {seq_lens.device}")
+    check(tuple(seq_lens.shape) == (b,), op, f"seq_lens must be [B] = [{b}], got shape {tuple(seq_lens.shape)}")
+    check(seq_lens.device == query.device, op, f"seq_lens must be on {query.device}, got {seq_lens.device}")
     check(num_splits >= 0, op, f"num_splits must be >= 0 (0: the kernel chooses), got {num_splits}")
 
 
@@ -175,8 +183,11 @@ def _int4_gqa_decode_ref(
     _check_int4_gqa_decode(query, k, v, seq_lens, num_groups, num_splits)
     op = "int4_gqa_decode"
     t_max = k.shape[1]
-    check(bool(((seq_lens >= 0) & (seq_lens <= t_max)).all()), op,
-          f"seq_lens must lie in [0, T_max = {t_max}], got {seq_lens.tolist()}")
+    check(
+        bool(((seq_lens >= 0) & (seq_lens <= t_max)).all()),
+        op,
+        f"seq_lens must lie in [0, T_max = {t_max}], got {seq_lens.tolist()}",
+    )
 
     b, hq, d = query.shape
     rep = hq // k.shape[2]  # query head h reads kv head h // rep
@@ -191,7 +202,7 @@ def _int4_gqa_decode_ref(
         keys = keys.repeat_interleave(rep, dim=1)  # [n, HQ, D]
         vals = vals.repeat_interleave(rep, dim=1)
         scores = sm_scale * torch.einsum("hd,nhd->hn", query[i].float(), keys)
-        p = torch.softmax(scores, dim=-1)          # float32
+        p = torch.softmax(scores, dim=-1)  # float32
         out[i] = torch.einsum("hn,nhd->hd", p, vals)
     return out.to(query.dtype)
 
@@ -233,6 +244,4 @@ def int4_gqa_decode(
     Returns:
         ``[B, HQ, D]`` in ``query.dtype``.
     """
-    return torch.ops.qops.int4_gqa_decode(
-        query, k, v, seq_lens, sm_scale, num_groups, num_splits
-    )
+    return torch.ops.qops.int4_gqa_decode(query, k, v, seq_lens, sm_scale, num_groups, num_splits)

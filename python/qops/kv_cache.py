@@ -12,11 +12,12 @@ Layout (docs/ops.md "Paged int8 KV cache", docs/kv_cache.md):
 slots and builds the ``block_tables`` / ``seq_lens`` tensors that
 ``qops.paged_decode_attention_int8`` reads.
 """
+
 from __future__ import annotations
 
 import contextlib
 import math
-from typing import Hashable, Iterator, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 
 import torch
 
@@ -44,37 +45,51 @@ def scale_mode(op: str, k_cache: torch.Tensor, k_scales: torch.Tensor, v_scales:
             modes.append("static")
         else:
             check(
-                False, op,
+                False,
+                op,
                 f"{name} must be float32 [num_blocks, H_kv, block_size] = [{nb}, {h}, {bs}] "
                 f"(dynamic per-token scales) or [1] (a static per-tensor scale), got shape "
                 f"{tuple(s.shape)}",
             )
-    check(modes[0] == modes[1], op,
-          f"k_scales and v_scales must both be dynamic or both static, got k_scales "
-          f"{modes[0]} and v_scales {modes[1]}")
-    check(k_scales.is_contiguous() and v_scales.is_contiguous(), op,
-          "k_scales and v_scales must be contiguous")
+    check(
+        modes[0] == modes[1],
+        op,
+        f"k_scales and v_scales must both be dynamic or both static, got k_scales {modes[0]} and v_scales {modes[1]}",
+    )
+    check(k_scales.is_contiguous() and v_scales.is_contiguous(), op, "k_scales and v_scales must be contiguous")
     if modes[0] == "static":
         check_static_scale(op, "k_scales", k_scales)
         check_static_scale(op, "v_scales", v_scales)
     return modes[0]
 
 
-def check_caches(op: str, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scales: torch.Tensor,
-                 v_scales: torch.Tensor) -> str:
+def check_caches(
+    op: str, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scales: torch.Tensor, v_scales: torch.Tensor
+) -> str:
     """Check the cache tensors of one layer; return the scale mode."""
     check_dtype(k_cache, torch.int8, op, "k_cache")
     check_dtype(v_cache, torch.int8, op, "v_cache")
-    check(k_cache.dim() == 4, op,
-          f"k_cache must be int8 [num_blocks, H_kv, block_size, D], got shape {tuple(k_cache.shape)}")
-    check(tuple(v_cache.shape) == tuple(k_cache.shape), op,
-          f"v_cache must have k_cache's shape {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
-    check(k_cache.is_contiguous() and v_cache.is_contiguous(), op,
-          "k_cache and v_cache must be contiguous")
-    check(k_cache.shape[1] >= 1 and k_cache.shape[3] >= 1, op,
-          f"k_cache must have H_kv >= 1 and D >= 1, got shape {tuple(k_cache.shape)}")
-    check(k_cache.shape[2] in BLOCK_SIZES, op,
-          f"block_size (k_cache.shape[2]) must be one of {BLOCK_SIZES}, got {k_cache.shape[2]}")
+    check(
+        k_cache.dim() == 4,
+        op,
+        f"k_cache must be int8 [num_blocks, H_kv, block_size, D], got shape {tuple(k_cache.shape)}",
+    )
+    check(
+        tuple(v_cache.shape) == tuple(k_cache.shape),
+        op,
+        f"v_cache must have k_cache's shape {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}",
+    )
+    check(k_cache.is_contiguous() and v_cache.is_contiguous(), op, "k_cache and v_cache must be contiguous")
+    check(
+        k_cache.shape[1] >= 1 and k_cache.shape[3] >= 1,
+        op,
+        f"k_cache must have H_kv >= 1 and D >= 1, got shape {tuple(k_cache.shape)}",
+    )
+    check(
+        k_cache.shape[2] in BLOCK_SIZES,
+        op,
+        f"block_size (k_cache.shape[2]) must be one of {BLOCK_SIZES}, got {k_cache.shape[2]}",
+    )
     for name, t in (("v_cache", v_cache), ("k_scales", k_scales), ("v_scales", v_scales)):
         check(t.device == k_cache.device, op, f"{name} must be on {k_cache.device}, got {t.device}")
     return scale_mode(op, k_cache, k_scales, v_scales)
@@ -85,19 +100,30 @@ def _check_write_args(key, value, k_cache, v_cache, k_scales, v_scales, slot_map
     check_dtype(key, HALF_DTYPES, op, "key")
     check(value.dtype == key.dtype, op, f"value must have key's dtype {key.dtype}, got {value.dtype}")
     check(key.dim() == 3, op, f"key must be [T, H_kv, D], got shape {tuple(key.shape)}")
-    check(tuple(value.shape) == tuple(key.shape), op,
-          f"value must have key's shape {tuple(key.shape)}, got {tuple(value.shape)}")
-    check(key.stride(-1) == 1 and value.stride(-1) == 1, op,
-          "key and value must have a contiguous last dimension (stride 1)")
+    check(
+        tuple(value.shape) == tuple(key.shape),
+        op,
+        f"value must have key's shape {tuple(key.shape)}, got {tuple(value.shape)}",
+    )
+    check(
+        key.stride(-1) == 1 and value.stride(-1) == 1,
+        op,
+        "key and value must have a contiguous last dimension (stride 1)",
+    )
     mode = check_caches(op, k_cache, v_cache, k_scales, v_scales)
-    check(tuple(key.shape[1:]) == (k_cache.shape[1], k_cache.shape[3]), op,
-          f"key's [H_kv, D] = {list(key.shape[1:])} must match k_cache's "
-          f"[H_kv, D] = [{k_cache.shape[1]}, {k_cache.shape[3]}]")
+    check(
+        tuple(key.shape[1:]) == (k_cache.shape[1], k_cache.shape[3]),
+        op,
+        f"key's [H_kv, D] = {list(key.shape[1:])} must match k_cache's "
+        f"[H_kv, D] = [{k_cache.shape[1]}, {k_cache.shape[3]}]",
+    )
     check(k_cache.shape[3] % 16 == 0, op, f"D must be a multiple of 16, got {k_cache.shape[3]}")
     check_dtype(slot_mapping, torch.int64, op, "slot_mapping")
-    check(slot_mapping.dim() == 1 and slot_mapping.shape[0] == key.shape[0], op,
-          f"slot_mapping must be int64 [T] with T = {key.shape[0]}, got shape "
-          f"{tuple(slot_mapping.shape)}")
+    check(
+        slot_mapping.dim() == 1 and slot_mapping.shape[0] == key.shape[0],
+        op,
+        f"slot_mapping must be int64 [T] with T = {key.shape[0]}, got shape {tuple(slot_mapping.shape)}",
+    )
     for name, t in (("key", key), ("value", value), ("slot_mapping", slot_mapping)):
         check(t.device == k_cache.device, op, f"{name} must be on {k_cache.device}, got {t.device}")
     return mode
@@ -105,21 +131,28 @@ def _check_write_args(key, value, k_cache, v_cache, k_scales, v_scales, slot_map
 
 # ---- reshape_and_cache_int8 ---------------------------------------------------------------------
 @reference(_OP)
-def _reshape_and_cache_int8_ref(key, value, k_cache, v_cache, k_scales, v_scales, slot_mapping, *,
-                                enable_pdl=True) -> None:
+def _reshape_and_cache_int8_ref(
+    key, value, k_cache, v_cache, k_scales, v_scales, slot_mapping, *, enable_pdl=True
+) -> None:
     mode = _check_write_args(key, value, k_cache, v_cache, k_scales, v_scales, slot_mapping)
     num_blocks, _, block_size, _ = k_cache.shape
     capacity = num_blocks * block_size
     bad = (slot_mapping < -1) | (slot_mapping >= capacity)
-    check(not bool(bad.any()), _OP,
-          f"slot_mapping holds slots outside [-1, num_blocks * block_size = {capacity}): "
-          f"{slot_mapping[bad][:8].tolist()}")
+    check(
+        not bool(bad.any()),
+        _OP,
+        f"slot_mapping holds slots outside [-1, num_blocks * block_size = {capacity}): "
+        f"{slot_mapping[bad][:8].tolist()}",
+    )
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     dup = slots.unique(return_counts=True)
-    check(bool((dup[1] <= 1).all()), _OP,
-          f"slot_mapping maps several tokens to one slot: {dup[0][dup[1] > 1][:8].tolist()} (a slot holds "
-          "one token: its int8 row and its scale must come from the same token)")
+    check(
+        bool((dup[1] <= 1).all()),
+        _OP,
+        f"slot_mapping maps several tokens to one slot: {dup[0][dup[1] > 1][:8].tolist()} (a slot holds "
+        "one token: its int8 row and its scale must come from the same token)",
+    )
     blk, off = slots // block_size, slots % block_size
     for x, cache, scales in ((key[keep], k_cache, k_scales), (value[keep], v_cache, v_scales)):
         x = x.float()  # [n, H_kv, D]
@@ -132,8 +165,9 @@ def _reshape_and_cache_int8_ref(key, value, k_cache, v_cache, k_scales, v_scales
 
 
 @fake(_OP)
-def _reshape_and_cache_int8_fake(key, value, k_cache, v_cache, k_scales, v_scales, slot_mapping, *,
-                                 enable_pdl=True) -> None:
+def _reshape_and_cache_int8_fake(
+    key, value, k_cache, v_cache, k_scales, v_scales, slot_mapping, *, enable_pdl=True
+) -> None:
     _check_write_args(key, value, k_cache, v_cache, k_scales, v_scales, slot_mapping)
     return None
 
@@ -180,8 +214,9 @@ def reshape_and_cache_int8(
         enable_pdl: keyword-only; launch with programmatic dependent launch (sm_90). ``None``: on,
             unless ``QOPS_PDL=0`` was set when qops was imported (:mod:`qops.envs`).
     """
-    torch.ops.qops.reshape_and_cache_int8(key, value, k_cache, v_cache, k_scales, v_scales, slot_mapping,
-                                          enable_pdl=envs.pdl(enable_pdl))
+    torch.ops.qops.reshape_and_cache_int8(
+        key, value, k_cache, v_cache, k_scales, v_scales, slot_mapping, enable_pdl=envs.pdl(enable_pdl)
+    )
 
 
 # ---- the cache manager --------------------------------------------------------------------------
@@ -239,8 +274,7 @@ class BlockAllocator:
 
     def _known(self, seq_id: Hashable, where: str) -> None:
         if seq_id not in self._lens:
-            raise KeyError(f"{self._name}.{where}: unknown sequence id {seq_id!r} (never added, or "
-                           "already freed)")
+            raise KeyError(f"{self._name}.{where}: unknown sequence id {seq_id!r} (never added, or already freed)")
 
     @property
     def _name(self) -> str:
@@ -285,14 +319,24 @@ class BlockAllocator:
         """
         if isinstance(num_tokens, int):
             num_tokens = [num_tokens] * len(seq_ids)
-        check(len(num_tokens) == len(seq_ids), f"{self._name}.append_slots",
-              f"num_tokens must have {len(seq_ids)} entries, got {len(num_tokens)}")
+        check(
+            len(num_tokens) == len(seq_ids),
+            f"{self._name}.append_slots",
+            f"num_tokens must have {len(seq_ids)} entries, got {len(num_tokens)}",
+        )
         check(len(set(seq_ids)) == len(seq_ids), f"{self._name}.append_slots", "seq_ids must be distinct")
-        check(all(isinstance(n, int) and n >= 0 for n in num_tokens), f"{self._name}.append_slots",
-              f"num_tokens must be ints >= 0, got {list(num_tokens)}")
+        check(
+            all(isinstance(n, int) and n >= 0 for n in num_tokens),
+            f"{self._name}.append_slots",
+            f"num_tokens must be ints >= 0, got {list(num_tokens)}",
+        )
         need = self.blocks_needed(seq_ids, num_tokens)
-        check(need <= len(self._free), f"{self._name}.append_slots",
-              f"out of cache blocks: {need} needed, {len(self._free)} free of {self.num_blocks}", RuntimeError)
+        check(
+            need <= len(self._free),
+            f"{self._name}.append_slots",
+            f"out of cache blocks: {need} needed, {len(self._free)} free of {self.num_blocks}",
+            RuntimeError,
+        )
         bs = self.block_size
         slots: list[int] = []
         for sid, n in zip(seq_ids, num_tokens):
@@ -329,8 +373,11 @@ class BlockAllocator:
             self._known(sid, "block_tables")
         lists = [self._blocks[sid] for sid in seq_ids]
         width = max([len(b) for b in lists] + [1]) if max_blocks is None else max_blocks
-        check(all(len(b) <= width for b in lists), f"{self._name}.block_tables",
-              f"max_blocks={width} is smaller than a sequence's block count")
+        check(
+            all(len(b) <= width for b in lists),
+            f"{self._name}.block_tables",
+            f"max_blocks={width} is smaller than a sequence's block count",
+        )
         rows = [b + [0] * (width - len(b)) for b in lists]
         return torch.tensor(rows, dtype=torch.int32, device=self.device).reshape(len(seq_ids), width)
 
@@ -339,6 +386,7 @@ class BlockAllocator:
         for sid in seq_ids:
             self._known(sid, "seq_lens")
         return torch.tensor([self._lens[sid] for sid in seq_ids], dtype=torch.int32, device=self.device)
+
 
 @export
 class PagedKVCache(BlockAllocator):
@@ -380,8 +428,11 @@ class PagedKVCache(BlockAllocator):
     ) -> None:
         op = "PagedKVCache"
         check(block_size in BLOCK_SIZES, op, f"block_size must be one of {BLOCK_SIZES}, got {block_size}")
-        check(num_layers >= 1 and num_kv_heads >= 1 and num_blocks >= 1, op,
-              "num_layers, num_kv_heads and num_blocks must be >= 1")
+        check(
+            num_layers >= 1 and num_kv_heads >= 1 and num_blocks >= 1,
+            op,
+            "num_layers, num_kv_heads and num_blocks must be >= 1",
+        )
         check(head_dim >= 16 and head_dim % 16 == 0, op, f"head_dim must be a multiple of 16, got {head_dim}")
         check((k_scale is None) == (v_scale is None), op, "give both k_scale and v_scale, or neither")
         super().__init__(num_blocks, block_size, device)
@@ -400,10 +451,14 @@ class PagedKVCache(BlockAllocator):
 
     def _static_scales(self, scale, name: str) -> torch.Tensor:
         vals = [float(scale)] * self.num_layers if isinstance(scale, (int, float)) else [float(s) for s in scale]
-        check(len(vals) == self.num_layers, "PagedKVCache",
-              f"{name} must be a float or {self.num_layers} floats, got {len(vals)}")
-        check(all(math.isfinite(v) and v > 0 for v in vals), "PagedKVCache",
-              f"{name} must be finite and > 0, got {vals}")
+        check(
+            len(vals) == self.num_layers,
+            "PagedKVCache",
+            f"{name} must be a float or {self.num_layers} floats, got {len(vals)}",
+        )
+        check(
+            all(math.isfinite(v) and v > 0 for v in vals), "PagedKVCache", f"{name} must be finite and > 0, got {vals}"
+        )
         return torch.tensor(vals, dtype=torch.float32, device=self.device).reshape(self.num_layers, 1)
 
     # -- per-layer tensors
@@ -414,4 +469,3 @@ class PagedKVCache(BlockAllocator):
     def write(self, i: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """``reshape_and_cache_int8`` into layer ``i``."""
         reshape_and_cache_int8(key, value, *self.layer(i), slot_mapping)
-

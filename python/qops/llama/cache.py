@@ -11,9 +11,10 @@ Both expose ``append_slots``, ``free``, ``block_tables``, ``seq_lens``, ``write(
 slots)`` and ``gather(layer, slots) -> (k, v)`` (the cached, i.e. dequantized, values of the given
 slots), so the attention module does not care which one it has.
 """
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -63,8 +64,17 @@ class HalfPagedKVCache(BlockAllocator):
     kv_dtype = "fp16"
     static = False
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
-                 block_size: int = 16, *, device="cpu", dtype: torch.dtype = torch.float16) -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_blocks: int,
+        block_size: int = 16,
+        *,
+        device="cpu",
+        dtype: torch.dtype = torch.float16,
+    ) -> None:
         if num_layers < 1 or num_kv_heads < 1 or num_blocks < 1 or block_size < 1:
             raise ValueError("HalfPagedKVCache: num_layers, num_kv_heads, num_blocks and block_size must be >= 1")
         super().__init__(num_blocks, block_size, device)
@@ -90,28 +100,45 @@ class HalfPagedKVCache(BlockAllocator):
         self.v_cache[i][blk, :, off] = value.to(self.dtype)
 
     def gather(self, i: int, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return (_gather_slots(self.k_cache[i], slots).to(dtype),
-                _gather_slots(self.v_cache[i], slots).to(dtype))
+        return (_gather_slots(self.k_cache[i], slots).to(dtype), _gather_slots(self.v_cache[i], slots).to(dtype))
 
     def bytes_per_token(self) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.k_cache.element_size()
 
 
-def make_cache(args: LlamaArgs, qcfg: QuantConfig, num_blocks: int, *, device, dtype: torch.dtype,
-               k_scales: Sequence[float] | None = None, v_scales: Sequence[float] | None = None):
+def make_cache(
+    args: LlamaArgs,
+    qcfg: QuantConfig,
+    num_blocks: int,
+    *,
+    device,
+    dtype: torch.dtype,
+    k_scales: Sequence[float] | None = None,
+    v_scales: Sequence[float] | None = None,
+):
     """The cache a model with ``qcfg`` uses: int8 (dynamic or static scales) or float."""
     if qcfg.kv_cache == "int8":
         if qcfg.kv_scales == "static":
             if k_scales is None or v_scales is None:
-                raise ValueError("static KV scales need calibrated k_scales and v_scales "
-                                 "(quantize with calibration tokens)")
-            return Int8PagedKVCache(args.num_layers, args.num_kv_heads, args.head_dim, num_blocks,
-                                    qcfg.block_size, device=device, k_scale=list(k_scales),
-                                    v_scale=list(v_scales))
-        return Int8PagedKVCache(args.num_layers, args.num_kv_heads, args.head_dim, num_blocks,
-                                qcfg.block_size, device=device)
-    return HalfPagedKVCache(args.num_layers, args.num_kv_heads, args.head_dim, num_blocks,
-                            qcfg.block_size, device=device, dtype=dtype)
+                raise ValueError(
+                    "static KV scales need calibrated k_scales and v_scales (quantize with calibration tokens)"
+                )
+            return Int8PagedKVCache(
+                args.num_layers,
+                args.num_kv_heads,
+                args.head_dim,
+                num_blocks,
+                qcfg.block_size,
+                device=device,
+                k_scale=list(k_scales),
+                v_scale=list(v_scales),
+            )
+        return Int8PagedKVCache(
+            args.num_layers, args.num_kv_heads, args.head_dim, num_blocks, qcfg.block_size, device=device
+        )
+    return HalfPagedKVCache(
+        args.num_layers, args.num_kv_heads, args.head_dim, num_blocks, qcfg.block_size, device=device, dtype=dtype
+    )
 
 
 def blocks_needed(lengths: Sequence[int], block_size: int) -> int:

@@ -1,5 +1,6 @@
 """The two small configuration records of ``qops.llama``: the model's shape (``LlamaArgs``) and
 what is quantized and how (``QuantConfig``)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -29,7 +30,7 @@ class LlamaArgs:
     eos_token_id: int | list[int] | None = None
 
     @classmethod
-    def from_hf(cls, cfg) -> "LlamaArgs":
+    def from_hf(cls, cfg) -> LlamaArgs:
         """From a ``transformers.LlamaConfig`` (transformers 4.x or 5.x)."""
         heads = cfg.num_attention_heads
         theta = getattr(cfg, "rope_theta", None)
@@ -108,8 +109,11 @@ class QuantConfig:
 
     @property
     def needs_calibration(self) -> bool:
-        return (self.smoothquant and self.weights) or (self.weights and self.activations == "static") \
+        return (
+            (self.smoothquant and self.weights)
+            or (self.weights and self.activations == "static")
             or (self.kv_cache == "int8" and self.kv_scales == "static")
+        )
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -117,7 +121,7 @@ class QuantConfig:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "QuantConfig":
+    def from_dict(cls, d: dict) -> QuantConfig:
         d = dict(d)
         d["smooth_targets"] = tuple(d.get("smooth_targets", _SQ_DEFAULT))
         return cls(**d)
@@ -133,15 +137,18 @@ class QuantConfig:
         name = "+".join(parts) or "fp16"
         if self.smoothquant and self.weights:
             t = set(self.smooth_targets)
-            suffix = {frozenset(_SQ_DEFAULT): "", frozenset(("qkv", "gate_up")): "n",
-                      frozenset(("qkv", "gate_up", "down", "o")): "all"}.get(frozenset(t))
+            suffix = {
+                frozenset(_SQ_DEFAULT): "",
+                frozenset(("qkv", "gate_up")): "n",
+                frozenset(("qkv", "gate_up", "down", "o")): "all",
+            }.get(frozenset(t))
             if suffix is None:
                 suffix = "[" + ",".join(self.smooth_targets) + "]"
             name += f"+SQ{self.smooth_alpha:g}{suffix}"
         return name
 
     @classmethod
-    def from_label(cls, name: str, **overrides) -> "QuantConfig":
+    def from_label(cls, name: str, **overrides) -> QuantConfig:
         """Parse a variant name: ``"fp16"``, or ``+``-joined parts ``W8A8[-static]``,
         ``KV8[-static]`` and ``SQ<alpha>`` (SmoothQuant with that alpha on qkv, gate_up and down),
         ``SQ<alpha>n`` (only the norm-folded qkv and gate_up) or ``SQ<alpha>all`` (also o)."""
@@ -153,6 +160,7 @@ class QuantConfig:
                 elif part in ("KV8", "KV8-static"):
                     cfg.update(kv_cache="int8", kv_scales="static" if part.endswith("static") else "dynamic")
                 elif part.startswith("SQ"):
+                    targets: tuple[str, ...]
                     spec, targets = part[2:], _SQ_DEFAULT
                     if spec.endswith("all"):
                         spec, targets = spec[:-3], ("qkv", "gate_up", "down", "o")
@@ -163,8 +171,10 @@ class QuantConfig:
                         targets = tuple(t.split(","))
                     cfg.update(smoothquant=True, smooth_alpha=float(spec or 0.5), smooth_targets=targets)
                 else:
-                    raise ValueError(f"unknown variant part {part!r} in {name!r} (expected fp16, W8A8[-static], "
-                                     "KV8[-static], SQ<alpha>[n|all])")
+                    raise ValueError(
+                        f"unknown variant part {part!r} in {name!r} (expected fp16, W8A8[-static], "
+                        "KV8[-static], SQ<alpha>[n|all])"
+                    )
         cfg.update(overrides)
         return cls(**cfg)
 

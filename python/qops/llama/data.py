@@ -6,6 +6,7 @@ for tests and the CPU demo.
 ``/usr/share/doc/jargon-text/jargon.txt.gz``. The Jargon File 4.4.7 is in the public domain
 (Eric S. Raymond et al.); the excerpt is taken from it with ``clean_jargon``.
 """
+
 from __future__ import annotations
 
 import gzip

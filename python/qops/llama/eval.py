@@ -12,6 +12,7 @@ next-token softmax; ``top1 = mean_t [argmax p_q == argmax p_ref]``. The referenc
 Face model (fp16 on a GPU, fp32 on a CPU). Quantized variants attend to what their cache holds:
 the int8 K/V (dequantized) with KV8, exactly what the decode kernel reads.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,8 +20,8 @@ import csv
 import dataclasses
 import math
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 import torch
 
@@ -44,9 +45,9 @@ class Metrics:
     def add(self, logits: torch.Tensor, ref: torch.Tensor, targets: torch.Tensor, chunk: int = 2048) -> None:
         """``logits``, ``ref`` ``[N, V]`` float; ``targets [N]`` (rows in chunks: bounded memory)."""
         for i in range(0, targets.numel(), chunk):
-            lp = torch.log_softmax(logits[i:i + chunk].float(), -1)
-            lr = torch.log_softmax(ref[i:i + chunk].float(), -1)
-            t = targets[i:i + chunk]
+            lp = torch.log_softmax(logits[i : i + chunk].float(), -1)
+            lr = torch.log_softmax(ref[i : i + chunk].float(), -1)
+            t = targets[i : i + chunk]
             self.nll += float(-lp.gather(-1, t[:, None]).sum())
             self.kl += float((lr.exp() * (lr - lp)).sum())
             self.top1 += float((lp.argmax(-1) == lr.argmax(-1)).sum())
@@ -73,18 +74,25 @@ def windows(tokens: torch.Tensor, seq_len: int, max_tokens: int | None = None) -
 
 
 @torch.no_grad()
-def evaluate(reference: Callable[[torch.Tensor], torch.Tensor], variants: dict[str, Callable],
-             wins: torch.Tensor, batch_size: int = 1, device="cpu", progress: bool = True) -> dict[str, dict]:
+def evaluate(
+    reference: Callable[[torch.Tensor], torch.Tensor],
+    variants: dict[str, Callable],
+    wins: torch.Tensor,
+    batch_size: int = 1,
+    device="cpu",
+    progress: bool = True,
+) -> dict[str, dict]:
     """Metrics of every variant (``name -> fn(ids [B, S]) -> logits [B, S, V]``) and of the
     reference against the reference, over the windows ``wins [W, S]``."""
     names = ["reference", *variants]
     acc = {n: Metrics() for n in names}
-    secs = {n: 0.0 for n in names}
+    secs = dict.fromkeys(names, 0.0)
     batches = list(wins.split(batch_size))
     it = batches
     if progress:
         try:
             from tqdm.auto import tqdm
+
             it = tqdm(batches, desc="evaluating", unit="batch", leave=False)
         except ImportError:
             pass
@@ -111,8 +119,10 @@ def evaluate(reference: Callable[[torch.Tensor], torch.Tensor], variants: dict[s
 
 def hf_logits_fn(model) -> Callable[[torch.Tensor], torch.Tensor]:
     """``ids [B, S] -> logits f32 [B, S, V]`` of a Hugging Face causal LM (no cache)."""
+
     def fn(ids):
         return model(input_ids=ids, use_cache=False).logits.float()
+
     return fn
 
 
@@ -155,9 +165,21 @@ def write_outputs(rows: list[dict], out: Path, stem: str, title: str) -> str:
 
 
 # ---- the whole run ------------------------------------------------------------------------------
-def run_quality(hf_model, tokens: torch.Tensor, variant_names: Sequence[str], *, seq_len: int,
-                max_tokens: int | None, batch_size: int, calib_tokens: torch.Tensor | None,
-                device, dtype, ref_label: str, progress: bool = True, log=print) -> list[dict]:
+def run_quality(
+    hf_model,
+    tokens: torch.Tensor,
+    variant_names: Sequence[str],
+    *,
+    seq_len: int,
+    max_tokens: int | None,
+    batch_size: int,
+    calib_tokens: torch.Tensor | None,
+    device,
+    dtype,
+    ref_label: str,
+    progress: bool = True,
+    log=print,
+) -> list[dict]:
     """Quantize ``hf_model`` into each variant, evaluate all against ``hf_model`` on ``tokens``;
     returns table rows (the reference first)."""
     from .quantize import calibrate, hf_parts, quantize
@@ -171,8 +193,16 @@ def run_quality(hf_model, tokens: torch.Tensor, variant_names: Sequence[str], *,
             raise ValueError("calibration tokens needed for SmoothQuant / static variants")
         sd, args, inv_freq, scaling = hf_parts(hf_model)
         t0 = time.perf_counter()
-        stats = calibrate(sd, args, calib_tokens, seq_len=min(512, seq_len), device=device,
-                          inv_freq=inv_freq, attention_scaling=scaling, progress=progress)
+        stats = calibrate(
+            sd,
+            args,
+            calib_tokens,
+            seq_len=min(512, seq_len),
+            device=device,
+            inv_freq=inv_freq,
+            attention_scaling=scaling,
+            progress=progress,
+        )
         log(f"calibrated on {calib_tokens.numel()} tokens in {time.perf_counter() - t0:.1f} s")
     models = {}
     for name, cfg in cfgs.items():
@@ -200,20 +230,37 @@ def run_quality(hf_model, tokens: torch.Tensor, variant_names: Sequence[str], *,
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m qops.llama.eval", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m qops.llama.eval",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--text", default="jargon", help="jargon (Debian's file, else the bundled excerpt), "
-                   "excerpt, or a path to a .txt/.txt.gz")
-    p.add_argument("--tokens", type=int, default=None, help="evaluate at most this many tokens "
-                   "(default: 300000 on GPU, 1024 on CPU)")
+    p.add_argument(
+        "--text",
+        default="jargon",
+        help="jargon (Debian's file, else the bundled excerpt), excerpt, or a path to a .txt/.txt.gz",
+    )
+    p.add_argument(
+        "--tokens",
+        type=int,
+        default=None,
+        help="evaluate at most this many tokens (default: 300000 on GPU, 1024 on CPU)",
+    )
     p.add_argument("--seq-len", type=int, default=None, help="window length (default 1024 GPU, 256 CPU)")
     p.add_argument("--batch-size", type=int, default=None, help="windows per batch (default 8 GPU, 2 CPU)")
     p.add_argument("--skip-tokens", type=int, default=0, help="start the evaluation this many tokens into the text")
-    p.add_argument("--calib-tokens", type=int, default=2048, help="calibration tokens (SQ/static variants), "
-                   "taken from the end of the text")
-    p.add_argument("--variants", default="fp16,KV8,KV8-static,W8A8,W8A8+SQ0.5,W8A8+KV8,W8A8+KV8+SQ0.5,"
-                   "W8A8+KV8-static+SQ0.5,W8A8-static+KV8+SQ0.5")
+    p.add_argument(
+        "--calib-tokens",
+        type=int,
+        default=2048,
+        help="calibration tokens (SQ/static variants), taken from the end of the text",
+    )
+    p.add_argument(
+        "--variants",
+        default="fp16,KV8,KV8-static,W8A8,W8A8+SQ0.5,W8A8+KV8,W8A8+KV8+SQ0.5,"
+        "W8A8+KV8-static+SQ0.5,W8A8-static+KV8+SQ0.5",
+    )
     p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
     p.add_argument("--out", default="bench/out")
     p.add_argument("--no-progress", action="store_true")
@@ -234,21 +281,33 @@ def main(argv=None) -> None:
     else:
         text, source = load_text(a.text)
         toks = tokenize(tok, text)
-    calib = toks[-a.calib_tokens:] if a.calib_tokens else None
-    evalt = toks[a.skip_tokens: max(0, toks.numel() - (a.calib_tokens or 0))]
+    calib = toks[-a.calib_tokens :] if a.calib_tokens else None
+    evalt = toks[a.skip_tokens : max(0, toks.numel() - (a.calib_tokens or 0))]
     ref_dtype = dtype if gpu else torch.float32
     model = smollm2.load_model(dtype=ref_dtype, device=dev, progress=not a.no_progress)
     ref_label = f"{'fp16' if ref_dtype == torch.float16 else str(ref_dtype).replace('torch.', '')} (HF reference)"
     t0 = time.perf_counter()
-    rows = run_quality(model, evalt, a.variants.split(","), seq_len=seq_len, max_tokens=tokens_n,
-                       batch_size=bsz, calib_tokens=calib, device=dev, dtype=dtype, ref_label=ref_label,
-                       progress=not a.no_progress)
+    rows = run_quality(
+        model,
+        evalt,
+        a.variants.split(","),
+        seq_len=seq_len,
+        max_tokens=tokens_n,
+        batch_size=bsz,
+        calib_tokens=calib,
+        device=dev,
+        dtype=dtype,
+        ref_label=ref_label,
+        progress=not a.no_progress,
+    )
     n = rows[0]["tokens"]
     where = torch.cuda.get_device_name(dev) if gpu else "CPU (reference ops)"
     if a.skip_tokens:
         source += f" from token {a.skip_tokens}"
-    title = (f"### SmolLM2-135M-Instruct quality, {source}: {n} predicted tokens in windows of {seq_len} "
-             f"({where}, activations {a.dtype}; {time.perf_counter() - t0:.0f} s)")
+    title = (
+        f"### SmolLM2-135M-Instruct quality, {source}: {n} predicted tokens in windows of {seq_len} "
+        f"({where}, activations {a.dtype}; {time.perf_counter() - t0:.0f} s)"
+    )
     print(write_outputs(rows, Path(a.out), "quality_gpu" if gpu else "quality_cpu", title))
 
 

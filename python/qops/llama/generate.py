@@ -1,11 +1,13 @@
 """Batched generation with the paged cache: one prefill step for all prompts (variable lengths
 packed together), then decode steps of one token per live sequence; greedy or sampling."""
+
 from __future__ import annotations
 
 import time
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TypedDict
 
 import torch
 
@@ -64,12 +66,20 @@ def _eos_set(eos_token_id) -> set[int]:
     try:
         return {int(t) for t in eos_token_id}
     except TypeError:
-        raise TypeError(f"generate: eos_token_id must be an int, a sequence of ints or a tensor, got "
-                        f"{type(eos_token_id).__name__}") from None
+        raise TypeError(
+            f"generate: eos_token_id must be an int, a sequence of ints or a tensor, got {type(eos_token_id).__name__}"
+        ) from None
 
 
-def sample_next(logits: torch.Tensor, *, do_sample: bool = False, temperature: float = 1.0, top_k: int = 0,
-                top_p: float = 1.0, generator: torch.Generator | None = None) -> torch.Tensor:
+def sample_next(
+    logits: torch.Tensor,
+    *,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """Next tokens ``[B]`` from float logits ``[B, V]``: argmax, or sampling with temperature,
     top-k and nucleus (top-p) filtering."""
     if not do_sample or temperature <= 0:
@@ -88,16 +98,36 @@ def sample_next(logits: torch.Tensor, *, do_sample: bool = False, temperature: f
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
 
+class _SampleOptions(TypedDict):
+    """The keyword arguments of ``sample_next`` that ``generate`` passes on every step."""
+
+    do_sample: bool
+    temperature: float
+    top_k: int
+    top_p: float
+    generator: torch.Generator | None
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
 @torch.no_grad()
-def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int = 32, *, do_sample: bool = False,
-             temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-             eos_token_id: int | Sequence[int] | None = None, seed: int | None = None, cache=None,
-             progress: bool = False) -> GenerationResult:
+def generate(
+    model,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int = 32,
+    *,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    eos_token_id: int | Sequence[int] | None = None,
+    seed: int | None = None,
+    cache=None,
+    progress: bool = False,
+) -> GenerationResult:
     """Generate continuations of a batch of prompts with a ``QuantizedLlamaForCausalLM``.
 
     Args:
@@ -129,8 +159,11 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int = 32, 
     limit = model.args.max_position_embeddings
     longest = max(len(p) for p in prompts) + max_new_tokens
     if longest > limit:
-        warnings.warn(f"generate: prompt + max_new_tokens reaches {longest} tokens, past the model's "
-                      f"context of {limit} (max_position_embeddings): quality degrades there", stacklevel=2)
+        warnings.warn(
+            f"generate: prompt + max_new_tokens reaches {longest} tokens, past the model's "
+            f"context of {limit} (max_position_embeddings): quality degrades there",
+            stacklevel=2,
+        )
     if cache is None:
         cache = model.cache_for([len(p) + max_new_tokens for p in prompts])
     gen = None
@@ -139,7 +172,7 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int = 32, 
         gen.manual_seed(seed if seed is not None else torch.seed())
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    opts = dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, generator=gen)
+    opts = _SampleOptions(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, generator=gen)
     out: list[list[int]] = [[] for _ in range(b)]
     res = GenerationResult(tokens=out, kv_bytes_per_token=cache.bytes_per_token())
     # Private sequence ids: a caller's cache may hold sequences of its own (any ids); these are
@@ -165,6 +198,7 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int = 32, 
         if progress:
             try:
                 from tqdm.auto import tqdm
+
                 steps = tqdm(steps, desc="decoding", leave=False)
             except ImportError:
                 pass
@@ -189,8 +223,11 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int = 32, 
         _sync(dev)
         res.decode_s = time.perf_counter() - t1
     except Exception as e:
-        raise GenerationError(f"generate: a step failed after {sum(map(len, out))} generated tokens "
-                              f"({type(e).__name__}: {e}); the partial result is in .result", res) from e
+        raise GenerationError(
+            f"generate: a step failed after {sum(map(len, out))} generated tokens "
+            f"({type(e).__name__}: {e}); the partial result is in .result",
+            res,
+        ) from e
     finally:
         known = set(cache.sequences())
         for sid in ids:

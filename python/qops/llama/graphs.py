@@ -7,6 +7,7 @@ tables padded to the longest context, sequence lengths), and replays it each ste
 the new step's metadata in. The model code is the same as the eager step: ``forward`` never
 synchronizes with the host, and every qops op takes its scales and lengths as device tensors.
 """
+
 from __future__ import annotations
 
 import torch
@@ -27,8 +28,10 @@ class GraphDecoder:
     def __init__(self, model, cache, seq_ids, max_context: int, *, capture: bool = True) -> None:
         dev = model.device
         if capture and dev.type != "cuda":
-            raise RuntimeError("GraphDecoder needs a CUDA model (capture=False runs the same static-buffer "
-                               "step eagerly, on any device)")
+            raise RuntimeError(
+                "GraphDecoder needs a CUDA model (capture=False runs the same static-buffer "
+                "step eagerly, on any device)"
+            )
         self.capture = capture
         self.model, self.cache, self.seq_ids = model, cache, list(seq_ids)
         b = len(self.seq_ids)
@@ -43,9 +46,15 @@ class GraphDecoder:
         self.slots = torch.zeros(b, dtype=torch.long, device=dev)
         self.block_tables = torch.zeros(b, self.max_blocks, dtype=torch.int32, device=dev)
         self.seq_lens = torch.zeros(b, dtype=torch.int32, device=dev)
-        self.ctx = StepContext(cache=cache, positions=self.positions, slot_mapping=self.slots,
-                               query_lens=[1] * b, decode=True, block_tables=self.block_tables,
-                               seq_lens=self.seq_lens)
+        self.ctx = StepContext(
+            cache=cache,
+            positions=self.positions,
+            slot_mapping=self.slots,
+            query_lens=[1] * b,
+            decode=True,
+            block_tables=self.block_tables,
+            seq_lens=self.seq_lens,
+        )
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
 
@@ -69,12 +78,16 @@ class GraphDecoder:
             raise ValueError(f"GraphDecoder.step: {len(rows)} tokens for {len(self.seq_ids)} sequences")
         lens = [self.cache.seq_len(s) for s in self.seq_ids]
         if max(lens) + 1 > self.max_blocks * self.cache.block_size:
-            raise ValueError(f"GraphDecoder.step: a sequence would grow to {max(lens) + 1} tokens, past "
-                             f"max_context = {self.max_blocks * self.cache.block_size}")
+            raise ValueError(
+                f"GraphDecoder.step: a sequence would grow to {max(lens) + 1} tokens, past "
+                f"max_context = {self.max_blocks * self.cache.block_size}"
+            )
         need = self.cache.blocks_needed(self.seq_ids, [1] * len(rows))
         if need > self.cache.num_free_blocks:
-            raise RuntimeError(f"GraphDecoder.step: out of cache blocks: {need} needed, "
-                               f"{self.cache.num_free_blocks} free of {self.cache.num_blocks}")
+            raise RuntimeError(
+                f"GraphDecoder.step: out of cache blocks: {need} needed, "
+                f"{self.cache.num_free_blocks} free of {self.cache.num_blocks}"
+            )
         with self.cache.transaction():
             return self._run(rows)
 
@@ -94,4 +107,5 @@ class GraphDecoder:
             with torch.cuda.graph(self.graph):
                 self.logits = self.model(self.ids, self.ctx)
         self.graph.replay()
+        assert self.logits is not None  # the capture's output buffer, set with self.graph
         return self.logits

@@ -21,11 +21,12 @@ act_fn(gate) * up                 ``qops.silu_and_mul_quant``
 down_proj                         ``W8A8Linear``
 ================================  =============================================================
 """
+
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple, Union
+from typing import TYPE_CHECKING, NamedTuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +37,9 @@ from qops.quantization import quantize_per_channel
 
 from .config import LlamaArgs, QuantConfig
 
+if TYPE_CHECKING:
+    from .cache import HalfPagedKVCache, Int8PagedKVCache
+
 
 class QAct(NamedTuple):
     """An int8 activation: ``q`` int8 ``[T, H]`` and its scales, f32 ``[T]`` (per token) or ``[1]``."""
@@ -44,7 +48,7 @@ class QAct(NamedTuple):
     s: torch.Tensor
 
 
-Act = Union[torch.Tensor, QAct]
+Act = Union[torch.Tensor, QAct]  # noqa: UP007 (a runtime alias: X | Y of classes needs 3.10 evaluation)
 
 
 # ---- linears ------------------------------------------------------------------------------------
@@ -61,8 +65,21 @@ class W8A8Linear(nn.Module):
     (static activations only), ``bias`` ``[N]`` in ``out_dtype`` (optional).
     """
 
-    def __init__(self, in_features: int, out_features: int, *, out_dtype=torch.float16,
-                 static: bool = False, bias: bool = False, device=None) -> None:
+    weight: torch.Tensor
+    weight_scale: torch.Tensor
+    input_scale: torch.Tensor | None
+    bias: torch.Tensor | None
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        out_dtype=torch.float16,
+        static: bool = False,
+        bias: bool = False,
+        device=None,
+    ) -> None:
         super().__init__()
         self.in_features, self.out_features, self.out_dtype = in_features, out_features, out_dtype
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8, device=device))
@@ -71,18 +88,25 @@ class W8A8Linear(nn.Module):
         self.register_buffer("bias", torch.zeros(out_features, dtype=out_dtype, device=device) if bias else None)
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, *, out_dtype=torch.float16,
-                   input_scale: float | None = None) -> "W8A8Linear":
+    def from_float(
+        cls,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        out_dtype=torch.float16,
+        input_scale: float | None = None,
+    ) -> W8A8Linear:
         """Quantize a float ``weight [N, K]`` per output channel (``qops.quantization``)."""
         n, k = weight.shape
-        m = cls(k, n, out_dtype=out_dtype, static=input_scale is not None, bias=bias is not None,
-                device=weight.device)
+        m = cls(k, n, out_dtype=out_dtype, static=input_scale is not None, bias=bias is not None, device=weight.device)
         q, s = quantize_per_channel(weight.float())
         m.weight.copy_(q)
         m.weight_scale.copy_(s)
         if input_scale is not None:
+            assert m.input_scale is not None  # registered: static=True above
             m.input_scale.fill_(float(input_scale))
         if bias is not None:
+            assert m.bias is not None  # registered: bias=True above
             m.bias.copy_(bias.to(out_dtype))
         return m
 
@@ -99,12 +123,15 @@ class W8A8Linear(nn.Module):
         if not isinstance(x, QAct):
             x = self.quantize_input(x)
         # the weights are never written during a step: the decode GEMV may read them early
-        return qops.w8a8_gemm(x.q, self.weight, x.s, self.weight_scale, self.out_dtype, self.bias,
-                              overlap_prologue=True)
+        return qops.w8a8_gemm(
+            x.q, self.weight, x.s, self.weight_scale, self.out_dtype, self.bias, overlap_prologue=True
+        )
 
     def extra_repr(self) -> str:
-        return (f"in={self.in_features}, out={self.out_features}, act="
-                f"{'static' if self.input_scale is not None else 'dynamic per-token'}")
+        return (
+            f"in={self.in_features}, out={self.out_features}, act="
+            f"{'static' if self.input_scale is not None else 'dynamic per-token'}"
+        )
 
 
 class FloatLinear(nn.Linear):
@@ -118,12 +145,14 @@ class FloatLinear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
-def make_linear(weight: torch.Tensor, qcfg: QuantConfig, dtype: torch.dtype,
-                input_scale: float | None = None) -> nn.Module:
+def make_linear(
+    weight: torch.Tensor, qcfg: QuantConfig, dtype: torch.dtype, input_scale: float | None = None
+) -> nn.Module:
     """A ``W8A8Linear`` (``qcfg.weights``) or a ``FloatLinear`` from a float ``weight [N, K]``."""
     if qcfg.weights:
-        return W8A8Linear.from_float(weight, out_dtype=dtype,
-                                     input_scale=input_scale if qcfg.activations == "static" else None)
+        return W8A8Linear.from_float(
+            weight, out_dtype=dtype, input_scale=input_scale if qcfg.activations == "static" else None
+        )
     lin = FloatLinear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=dtype)
     with torch.no_grad():
         lin.weight.copy_(weight)
@@ -154,8 +183,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device), requires_grad=False)
         self.eps, self.quantize = eps, quantize
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
-                scale: torch.Tensor | None = None) -> Act:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> Act:
         if self.quantize:
             if residual is None:
                 return QAct(*qops.rms_norm_quant(x, self.weight, self.eps, scale))
@@ -173,6 +201,10 @@ class Rotary(nn.Module):
     ``cos``/``sin`` tables f32 ``[max_pos, D]`` are built once from ``inv_freq [D/2]`` (taken
     from the Hugging Face model when available, so scaled RoPE variants come for free).
     """
+
+    inv_freq: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
 
     def __init__(self, inv_freq: torch.Tensor, max_pos: int, attention_scaling: float = 1.0) -> None:
         super().__init__()
@@ -222,7 +254,7 @@ class StepContext:
             quality evaluation of the KV cache.
     """
 
-    cache: object
+    cache: Int8PagedKVCache | HalfPagedKVCache
     positions: torch.Tensor
     slot_mapping: torch.Tensor
     query_lens: list
@@ -255,7 +287,7 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.hq, self.hkv, self.d = args.num_heads, args.num_kv_heads, args.head_dim
-        self.sm_scale = self.d ** -0.5
+        self.sm_scale = self.d**-0.5
         self.qkv_proj, self.o_proj = qkv, o
         self.rotary = [rotary]  # shared, not a submodule of every layer
 
@@ -283,8 +315,9 @@ class Attention(nn.Module):
             # the cache write just before wrote only each sequence's new token (position
             # seq_len - 1): the kernel may read q, the tables and the older K/V while it
             # finishes (PDL)
-            return qops.paged_decode_attention_int8(q, kc, vc, ks, vs, ctx.block_tables, ctx.seq_lens,
-                                                    self.sm_scale, overlap_prologue=True)
+            return qops.paged_decode_attention_int8(
+                q, kc, vc, ks, vs, ctx.block_tables, ctx.seq_lens, self.sm_scale, overlap_prologue=True
+            )
         # float cache: gather each sequence's blocks, mask beyond its length
         bt = ctx.block_tables.long()
         b, nb = bt.shape
@@ -307,8 +340,9 @@ class Attention(nn.Module):
         outs, start = [], 0
         for n in query_lens:
             sl = slice(start, start + n)
-            o = _sdpa_gqa(q[sl].transpose(0, 1)[None], k[sl].transpose(0, 1)[None],
-                          v[sl].transpose(0, 1)[None], causal=True)
+            o = _sdpa_gqa(
+                q[sl].transpose(0, 1)[None], k[sl].transpose(0, 1)[None], v[sl].transpose(0, 1)[None], causal=True
+            )
             outs.append(o[0].transpose(0, 1))
             start += n
         return torch.cat(outs, dim=0)

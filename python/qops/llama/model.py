@@ -1,11 +1,13 @@
 """``QuantizedLlamaForCausalLM``: the Llama module tree rebuilt from qops modules, the step API
 (prefill / decode over a paged cache), and construction from a Hugging Face model."""
+
 from __future__ import annotations
 
 import json
 import operator
+from collections.abc import Hashable, Iterable, Sequence
 from pathlib import Path
-from typing import Hashable, Sequence
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -13,8 +15,18 @@ from torch import nn
 
 from .cache import blocks_needed, make_cache
 from .config import LlamaArgs, QuantConfig
-from .layers import MLP, Attention, DecoderLayer, FloatLinear, RMSNorm, Rotary, StepContext, W8A8Linear, \
-    make_linear, rms_norm_float
+from .layers import (
+    MLP,
+    Attention,
+    DecoderLayer,
+    FloatLinear,
+    RMSNorm,
+    Rotary,
+    StepContext,
+    W8A8Linear,
+    make_linear,
+    rms_norm_float,
+)
 
 
 def token_rows(input_ids, vocab_size: int, where: str) -> list[list[int]]:
@@ -35,8 +47,10 @@ def token_rows(input_ids, vocab_size: int, where: str) -> list[list[int]]:
             if isinstance(r, torch.Tensor):
                 r = token_rows(r.reshape(-1), vocab_size, where)[0]
             elif isinstance(r, (str, bytes)) or not isinstance(r, Sequence):
-                raise TypeError(f"{where}: expected one list of token ids per sequence (e.g. [[1, 2, 3]]), "
-                                f"got an element of type {type(r).__name__}")
+                raise TypeError(
+                    f"{where}: expected one list of token ids per sequence (e.g. [[1, 2, 3]]), "
+                    f"got an element of type {type(r).__name__}"
+                )
             rows.append(list(r))
     out = []
     for r in rows:
@@ -72,9 +86,17 @@ class QuantizedLlamaForCausalLM(nn.Module):
         kv_scales: ``(k_scales, v_scales)`` per layer (static KV scales) or ``None``.
     """
 
-    def __init__(self, args: LlamaArgs, qcfg: QuantConfig, embed: torch.Tensor, layers: list[DecoderLayer],
-                 final_norm: torch.Tensor, lm_head: torch.Tensor | None, rotary: Rotary,
-                 dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        args: LlamaArgs,
+        qcfg: QuantConfig,
+        embed: torch.Tensor,
+        layers: list[DecoderLayer],
+        final_norm: torch.Tensor,
+        lm_head: torch.Tensor | None,
+        rotary: Rotary,
+        dtype: torch.dtype,
+    ) -> None:
         super().__init__()
         self.args, self.qcfg, self.dtype = args, qcfg, dtype
         self.embed_tokens = nn.Embedding.from_pretrained(embed, freeze=True)
@@ -86,9 +108,19 @@ class QuantizedLlamaForCausalLM(nn.Module):
 
     # ---- construction ---------------------------------------------------------------------------
     @classmethod
-    def from_state_dict(cls, sd: dict, args: LlamaArgs, qcfg: QuantConfig, *, dtype=torch.float16,
-                        device=None, inv_freq: torch.Tensor | None = None, attention_scaling: float = 1.0,
-                        input_scales: dict | None = None, progress: bool = False) -> "QuantizedLlamaForCausalLM":
+    def from_state_dict(
+        cls,
+        sd: dict,
+        args: LlamaArgs,
+        qcfg: QuantConfig,
+        *,
+        dtype=torch.float16,
+        device=None,
+        inv_freq: torch.Tensor | None = None,
+        attention_scaling: float = 1.0,
+        input_scales: dict | None = None,
+        progress: bool = False,
+    ) -> QuantizedLlamaForCausalLM:
         """Build from float weights with Hugging Face names (``sd``, any dtype; moved to
         ``device``), quantizing the linears per ``qcfg``. ``input_scales`` holds static
         activation scales ``{"layers.{i}.{qkv,o,gate_up,down}": float}``."""
@@ -104,16 +136,17 @@ class QuantizedLlamaForCausalLM(nn.Module):
         if progress:
             try:
                 from tqdm.auto import tqdm
+
                 it = tqdm(it, desc=f"quantizing ({qcfg.label()})", leave=False)
             except ImportError:
                 pass
         for i in it:
             p = f"model.layers.{i}."
 
-            def w(name):
+            def w(name, p=p):
                 return sd[p + name + ".weight"].to(device=device, dtype=torch.float32)
 
-            def lin(weight, key):
+            def lin(weight, key, i=i):
                 return make_linear(weight, qcfg, dtype, input_scales.get(f"layers.{i}.{key}"))
 
             qkv = lin(torch.cat([w("self_attn.q_proj"), w("self_attn.k_proj"), w("self_attn.v_proj")]), "qkv")
@@ -140,8 +173,9 @@ class QuantizedLlamaForCausalLM(nn.Module):
     def new_cache(self, num_blocks: int):
         """An empty KV cache of ``num_blocks`` blocks for this model (int8 or float per ``qcfg``)."""
         ks, vs = self.kv_scales if self.kv_scales is not None else (None, None)
-        return make_cache(self.args, self.qcfg, num_blocks, device=self.device, dtype=self.dtype,
-                          k_scales=ks, v_scales=vs)
+        return make_cache(
+            self.args, self.qcfg, num_blocks, device=self.device, dtype=self.dtype, k_scales=ks, v_scales=vs
+        )
 
     def cache_for(self, lengths: Sequence[int]):
         """A cache just large enough for sequences of the given final lengths."""
@@ -160,21 +194,30 @@ class QuantizedLlamaForCausalLM(nn.Module):
             return F.linear(x.float(), w.float())
         return F.linear(x, w).float()
 
-    def forward(self, input_ids: torch.Tensor, ctx: StepContext, logits_rows: torch.Tensor | None = None
-                ) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, ctx: StepContext, logits_rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``input_ids`` int64 ``[T]`` (flattened over sequences) -> logits f32 ``[T, V]`` (or
         ``[len(logits_rows), V]``: only those rows go through the LM head)."""
         hidden = self.embed_tokens(input_ids)
-        residual = None
+        residual: torch.Tensor | None = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, ctx)
+        assert residual is not None  # set by the first layer (a model has at least one)
         if logits_rows is not None:
             hidden, residual = hidden[logits_rows], residual[logits_rows]
         return self.logits(hidden, residual)
 
     @torch.no_grad()
-    def step(self, input_ids: Sequence[Sequence[int]] | torch.Tensor, seq_ids: Sequence[Hashable], cache,
-             *, last_only: bool = True, prefill_from_cache: bool = False) -> torch.Tensor:
+    def step(
+        self,
+        input_ids: Sequence[Sequence[int]] | torch.Tensor,
+        seq_ids: Sequence[Hashable],
+        cache,
+        *,
+        last_only: bool = True,
+        prefill_from_cache: bool = False,
+    ) -> torch.Tensor:
         """One model step for a batch of sequences.
 
         ``input_ids``: one list of new tokens per sequence (or an int tensor ``[B, S]`` of equal
@@ -199,17 +242,18 @@ class QuantizedLlamaForCausalLM(nn.Module):
             raise ValueError("step: every sequence needs at least one new token")
         decode = all(known)
         if decode and any(n != 1 for n in qlens):
-            raise ValueError("step: sequences with cached context take exactly one token per step "
-                             "(chunked prefill is not supported)")
+            raise ValueError(
+                "step: sequences with cached context take exactly one token per step (chunked prefill is not supported)"
+            )
         if not decode and any(known):
-            raise ValueError("step: a step is either a prefill of new sequences or a decode of "
-                             "known ones, not both")
+            raise ValueError("step: a step is either a prefill of new sequences or a decode of known ones, not both")
         dev = self.device
         starts = [cache.seq_len(s) if k else 0 for s, k in zip(seq_ids, known)]
         need = cache.blocks_needed(seq_ids, qlens)
         if need > cache.num_free_blocks:
-            raise RuntimeError(f"step: out of cache blocks: {need} needed, {cache.num_free_blocks} free of "
-                               f"{cache.num_blocks}")
+            raise RuntimeError(
+                f"step: out of cache blocks: {need} needed, {cache.num_free_blocks} free of {cache.num_blocks}"
+            )
         # Everything is checked: reserve the slots and run; if anything raises from here on, the
         # cache's transaction gives the slots back and the lengths are as before the call.
         with cache.transaction():
@@ -217,8 +261,14 @@ class QuantizedLlamaForCausalLM(nn.Module):
             slots = cache.append_slots(seq_ids, qlens)
             positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, qlens)]).to(dev)
             ids = torch.tensor([t for r in rows for t in r], dtype=torch.long, device=dev)
-            ctx = StepContext(cache=cache, positions=positions, slot_mapping=slots, query_lens=qlens,
-                              decode=decode, prefill_from_cache=prefill_from_cache)
+            ctx = StepContext(
+                cache=cache,
+                positions=positions,
+                slot_mapping=slots,
+                query_lens=qlens,
+                decode=decode,
+                prefill_from_cache=prefill_from_cache,
+            )
             if decode:
                 ctx.block_tables = cache.block_tables(seq_ids)
                 ctx.seq_lens = cache.seq_lens(seq_ids)
@@ -261,9 +311,14 @@ class QuantizedLlamaForCausalLM(nn.Module):
         ``model.safetensors`` (or ``model.pt`` without safetensors)."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        meta = {"format": "qops.llama/1", "args": self.args.to_dict(), "qcfg": self.qcfg.to_dict(),
-                "dtype": str(self.dtype).replace("torch.", ""), "kv_scales": self.kv_scales,
-                "attention_scaling": self.rotary.attention_scaling}
+        meta = {
+            "format": "qops.llama/1",
+            "args": self.args.to_dict(),
+            "qcfg": self.qcfg.to_dict(),
+            "dtype": str(self.dtype).replace("torch.", ""),
+            "kv_scales": self.kv_scales,
+            "attention_scaling": self.rotary.attention_scaling,
+        }
         (path / "config.json").write_text(json.dumps(meta, indent=1))
         sd = {k: v.contiguous() for k, v in self.state_dict().items()}
         sd["rotary.inv_freq"] = self.rotary.inv_freq.contiguous()
@@ -271,12 +326,13 @@ class QuantizedLlamaForCausalLM(nn.Module):
             sd.pop("lm_head", None)
         try:
             from safetensors.torch import save_file
+
             save_file({k: v.cpu() for k, v in sd.items()}, str(path / "model.safetensors"))
         except ImportError:
             torch.save(sd, path / "model.pt")
 
     @classmethod
-    def load(cls, path: str | Path, device=None) -> "QuantizedLlamaForCausalLM":
+    def load(cls, path: str | Path, device=None) -> QuantizedLlamaForCausalLM:
         """Load a model saved with ``save`` (no float checkpoint needed)."""
         path = Path(path)
         meta = json.loads((path / "config.json").read_text())
@@ -287,11 +343,18 @@ class QuantizedLlamaForCausalLM(nn.Module):
         dtype = getattr(torch, meta["dtype"])
         if (path / "model.safetensors").is_file():
             from safetensors.torch import load_file
+
             sd = load_file(str(path / "model.safetensors"))
         else:
             sd = torch.load(path / "model.pt", map_location="cpu")
-        model = cls.empty(args, qcfg, dtype=dtype, device="meta", inv_freq=sd.pop("rotary.inv_freq"),
-                          attention_scaling=meta.get("attention_scaling", 1.0))
+        model = cls.empty(
+            args,
+            qcfg,
+            dtype=dtype,
+            device="meta",
+            inv_freq=sd.pop("rotary.inv_freq"),
+            attention_scaling=meta.get("attention_scaling", 1.0),
+        )
         model.load_state_dict(sd, strict=True, assign=True)
         model._retie_rotary()
         if meta.get("kv_scales"):
@@ -299,15 +362,26 @@ class QuantizedLlamaForCausalLM(nn.Module):
         return model.to(device) if device is not None else model
 
     @classmethod
-    def empty(cls, args: LlamaArgs, qcfg: QuantConfig, *, dtype=torch.float16, device=None,
-              inv_freq: torch.Tensor | None = None, attention_scaling: float = 1.0):
+    def empty(
+        cls,
+        args: LlamaArgs,
+        qcfg: QuantConfig,
+        *,
+        dtype=torch.float16,
+        device=None,
+        inv_freq: torch.Tensor | None = None,
+        attention_scaling: float = 1.0,
+    ):
         """A model with uninitialized (or random, for benchmarks) weights of the right shapes."""
         dev = torch.device(device) if device is not None else torch.device("cpu")
         if inv_freq is None:
             d = args.head_dim
             inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
-        rotary = Rotary(inv_freq.to("cpu" if dev.type == "meta" else dev),
-                        min(args.max_position_embeddings, 4096), attention_scaling)
+        rotary = Rotary(
+            inv_freq.to("cpu" if dev.type == "meta" else dev),
+            min(args.max_position_embeddings, 4096),
+            attention_scaling,
+        )
         h, i_, a = args.hidden_size, args.intermediate_size, args
         static = qcfg.activations == "static"
 
@@ -328,7 +402,8 @@ class QuantizedLlamaForCausalLM(nn.Module):
         return cls(a, qcfg, embed, layers, torch.ones(h, dtype=dtype, device=dev), head, rotary, dtype)
 
     def _retie_rotary(self) -> None:
-        for layer in self.layers:
+        # an nn.ModuleList types its items as nn.Module; ours are DecoderLayers
+        for layer in cast("Iterable[DecoderLayer]", self.layers):
             layer.self_attn.rotary = [self.rotary]
 
     def _apply(self, fn, recurse=True):

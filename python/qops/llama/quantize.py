@@ -13,15 +13,18 @@ and folds ``1 / s`` into the op that produces ``X``: the RMSNorm weight for qkv 
 the up projection's rows for down, the v projection's rows for o (``s`` then has to be shared by
 the query heads of one kv head: it is computed from the group's maxima). See docs/llama.md.
 """
+
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
+from typing import cast
 
 import torch
 
 from ..quantization import absmax_scale
 from .cache import HalfPagedKVCache
 from .config import LlamaArgs, QuantConfig
+from .layers import DecoderLayer
 from .model import QuantizedLlamaForCausalLM
 
 
@@ -52,10 +55,11 @@ def hf_parts(model):
         raise NotImplementedError("qops.llama: Llama variants with biases are not supported")
     act = getattr(cfg, "hidden_act", "silu")
     if act not in ("silu", "swish"):
-        raise NotImplementedError(f"qops.llama: hidden_act {act!r} is not supported (the MLP runs "
-                                  "SiLU-and-mul: silu only)")
+        raise NotImplementedError(
+            f"qops.llama: hidden_act {act!r} is not supported (the MLP runs SiLU-and-mul: silu only)"
+        )
     args = LlamaArgs.from_hf(cfg)
-    sd = {k: v for k, v in model.state_dict().items()}
+    sd = dict(model.state_dict().items())
     if "lm_head.weight" not in sd or args.tie_word_embeddings:
         sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
     rot = getattr(getattr(model, "model", None), "rotary_emb", None)
@@ -85,16 +89,26 @@ class _ObservingCache(HalfPagedKVCache):
 def _windows(tokens, seq_len: int) -> list[torch.Tensor]:
     t = torch.as_tensor(tokens, dtype=torch.long)
     if t.dim() == 2:
-        return [r for r in t]
+        return list(t)
     t = t.flatten()
     n = max(1, t.numel() // seq_len)
-    return [t[i * seq_len:(i + 1) * seq_len] for i in range(n) if t[i * seq_len:(i + 1) * seq_len].numel() > 1]
+    return [t[i * seq_len : (i + 1) * seq_len] for i in range(n) if t[i * seq_len : (i + 1) * seq_len].numel() > 1]
 
 
 @torch.no_grad()
-def calibrate(sd: dict, args: LlamaArgs, tokens, *, seq_len: int = 512, batch_size: int = 4, device=None,
-              dtype: torch.dtype | None = None, inv_freq=None, attention_scaling: float = 1.0,
-              progress: bool = True) -> dict[str, torch.Tensor]:
+def calibrate(
+    sd: dict,
+    args: LlamaArgs,
+    tokens,
+    *,
+    seq_len: int = 512,
+    batch_size: int = 4,
+    device=None,
+    dtype: torch.dtype | None = None,
+    inv_freq=None,
+    attention_scaling: float = 1.0,
+    progress: bool = True,
+) -> dict[str, torch.Tensor]:
     """Run the unquantized tree on ``tokens`` (int ``[N]``, split into windows of ``seq_len``, or
     ``[B, S]``) and return per-channel amax statistics (float32, on the CPU):
 
@@ -105,24 +119,33 @@ def calibrate(sd: dict, args: LlamaArgs, tokens, *, seq_len: int = 512, batch_si
     if dtype is None:
         dtype = torch.float32 if device.type == "cpu" else torch.float16
     fcfg = QuantConfig(weights=False, kv_cache="fp16")
-    tree = QuantizedLlamaForCausalLM.from_state_dict(sd, args, fcfg, dtype=dtype, device=device,
-                                                     inv_freq=inv_freq, attention_scaling=attention_scaling)
+    tree = QuantizedLlamaForCausalLM.from_state_dict(
+        sd, args, fcfg, dtype=dtype, device=device, inv_freq=inv_freq, attention_scaling=attention_scaling
+    )
     stats: dict[str, torch.Tensor] = {}
     hooks = []
-    for i, layer in enumerate(tree.layers):
-        mods = {"qkv": layer.self_attn.qkv_proj, "o": layer.self_attn.o_proj,
-                "gate_up": layer.mlp.gate_up_proj, "down": layer.mlp.down_proj}
+    # an nn.ModuleList types its items as nn.Module; the tree's are DecoderLayers
+    for i, layer in enumerate(cast("Iterable[DecoderLayer]", tree.layers)):
+        mods = {
+            "qkv": layer.self_attn.qkv_proj,
+            "o": layer.self_attn.o_proj,
+            "gate_up": layer.mlp.gate_up_proj,
+            "down": layer.mlp.down_proj,
+        }
         for key, mod in mods.items():
+
             def hook(_m, inp, key=f"layers.{i}.{key}"):
                 m = inp[0].detach().float().abs().amax(0)
                 stats[key] = torch.maximum(stats[key], m) if key in stats else m
+
             hooks.append(mod.register_forward_pre_hook(hook))
     wins = _windows(tokens, seq_len)
-    batches = [wins[i:i + batch_size] for i in range(0, len(wins), batch_size)]
+    batches = [wins[i : i + batch_size] for i in range(0, len(wins), batch_size)]
     it: Iterable = batches
     if progress:
         try:
             from tqdm.auto import tqdm
+
             it = tqdm(batches, desc="calibrating", unit="batch", leave=False)
         except ImportError:
             pass
@@ -130,8 +153,16 @@ def calibrate(sd: dict, args: LlamaArgs, tokens, *, seq_len: int = 512, batch_si
         for batch in it:
             lens = [int(w.numel()) for w in batch]
             nblocks = sum(-(-n // fcfg.block_size) for n in lens)
-            cache = _ObservingCache(args.num_layers, args.num_kv_heads, args.head_dim, nblocks, fcfg.block_size,
-                                    device=device, dtype=dtype, stats=stats)
+            cache = _ObservingCache(
+                args.num_layers,
+                args.num_kv_heads,
+                args.head_dim,
+                nblocks,
+                fcfg.block_size,
+                device=device,
+                dtype=dtype,
+                stats=stats,
+            )
             tree.step([w.tolist() for w in batch], list(range(len(batch))), cache, last_only=True)
     finally:
         for h in hooks:
@@ -140,8 +171,9 @@ def calibrate(sd: dict, args: LlamaArgs, tokens, *, seq_len: int = 512, batch_si
 
 
 # ---- SmoothQuant --------------------------------------------------------------------------------
-def smooth_factors(act_amax: torch.Tensor, weight: torch.Tensor, alpha: float,
-                   groups: tuple[int, int, int] | None = None) -> torch.Tensor:
+def smooth_factors(
+    act_amax: torch.Tensor, weight: torch.Tensor, alpha: float, groups: tuple[int, int, int] | None = None
+) -> torch.Tensor:
     """Per-input-channel factors ``s [K]`` for a linear with float ``weight [N, K]``.
 
     ``groups = (H_kv, G, D)``: the K channels are ``[H_kv, G, D]`` and ``s`` must not depend on
@@ -168,10 +200,10 @@ def apply_smoothing(sd: dict, args: LlamaArgs, stats: dict, alpha: float, target
     for i in range(args.num_layers):
         p = f"model.layers.{i}."
 
-        def get(n):
+        def get(n, p=p):
             return sd[p + n + ".weight"].float()
 
-        def put(n, t, like):
+        def put(n, t, like, p=p):
             sd[p + n + ".weight"] = t.to(like.dtype)
 
         for tgt in targets:
@@ -205,21 +237,38 @@ def check_supported(args: LlamaArgs, qcfg: QuantConfig) -> None:
     (instead of at the first decode step): the int8 GEMMs need K and N multiples of 16, the int8
     KV cache's decode attention head_dim 64 or 128."""
     if qcfg.weights:
-        sizes = {"hidden_size": args.hidden_size, "intermediate_size": args.intermediate_size,
-                 "num_heads * head_dim": args.num_heads * args.head_dim, "qkv size": args.qkv_size}
+        sizes = {
+            "hidden_size": args.hidden_size,
+            "intermediate_size": args.intermediate_size,
+            "num_heads * head_dim": args.num_heads * args.head_dim,
+            "qkv size": args.qkv_size,
+        }
         bad = {k: v for k, v in sizes.items() if v % 16}
         if bad:
-            raise ValueError(f"qops.llama.quantize: W8A8 needs layer sizes that are multiples of 16 "
-                             f"(the int8 GEMMs' K and N), got {bad}; use weights=False")
+            raise ValueError(
+                f"qops.llama.quantize: W8A8 needs layer sizes that are multiples of 16 "
+                f"(the int8 GEMMs' K and N), got {bad}; use weights=False"
+            )
     if qcfg.kv_cache == "int8" and args.head_dim not in (64, 128):
-        raise ValueError(f"qops.llama.quantize: the int8 KV cache's decode attention supports head_dim "
-                         f"64 or 128, got {args.head_dim}; use kv_cache='fp16'")
+        raise ValueError(
+            f"qops.llama.quantize: the int8 KV cache's decode attention supports head_dim "
+            f"64 or 128, got {args.head_dim}; use kv_cache='fp16'"
+        )
 
 
-
-def quantize(model, calibration_tokens=None, config: QuantConfig | None = None, *, dtype: torch.dtype | None = None,
-             device=None, calib_seq_len: int = 512, calib_batch_size: int = 4, progress: bool = True,
-             stats: dict | None = None, **overrides) -> QuantizedLlamaForCausalLM:
+def quantize(
+    model,
+    calibration_tokens=None,
+    config: QuantConfig | None = None,
+    *,
+    dtype: torch.dtype | None = None,
+    device=None,
+    calib_seq_len: int = 512,
+    calib_batch_size: int = 4,
+    progress: bool = True,
+    stats: dict | None = None,
+    **overrides,
+) -> QuantizedLlamaForCausalLM:
     """Quantize a Hugging Face ``LlamaForCausalLM`` into a ``QuantizedLlamaForCausalLM``.
 
     The result is a new module tree; ``model`` is left unchanged (the float weights are read,
@@ -245,16 +294,37 @@ def quantize(model, calibration_tokens=None, config: QuantConfig | None = None, 
     if overrides:
         qcfg = dataclasses.replace(qcfg, **overrides)
     sd, args, inv_freq, scaling = hf_parts(model)
-    return quantize_state_dict(sd, args, qcfg, calibration_tokens=calibration_tokens, dtype=dtype, device=device,
-                               calib_seq_len=calib_seq_len, calib_batch_size=calib_batch_size, progress=progress,
-                               stats=stats, inv_freq=inv_freq, attention_scaling=scaling)
+    return quantize_state_dict(
+        sd,
+        args,
+        qcfg,
+        calibration_tokens=calibration_tokens,
+        dtype=dtype,
+        device=device,
+        calib_seq_len=calib_seq_len,
+        calib_batch_size=calib_batch_size,
+        progress=progress,
+        stats=stats,
+        inv_freq=inv_freq,
+        attention_scaling=scaling,
+    )
 
 
-def quantize_state_dict(sd: dict, args: LlamaArgs, qcfg: QuantConfig, *, calibration_tokens=None,
-                        dtype: torch.dtype | None = None, device=None, calib_seq_len: int = 512,
-                        calib_batch_size: int = 4, progress: bool = False, stats: dict | None = None,
-                        inv_freq: torch.Tensor | None = None, attention_scaling: float = 1.0
-                        ) -> QuantizedLlamaForCausalLM:
+def quantize_state_dict(
+    sd: dict,
+    args: LlamaArgs,
+    qcfg: QuantConfig,
+    *,
+    calibration_tokens=None,
+    dtype: torch.dtype | None = None,
+    device=None,
+    calib_seq_len: int = 512,
+    calib_batch_size: int = 4,
+    progress: bool = False,
+    stats: dict | None = None,
+    inv_freq: torch.Tensor | None = None,
+    attention_scaling: float = 1.0,
+) -> QuantizedLlamaForCausalLM:
     """``quantize`` from float weights with Hugging Face names and a ``LlamaArgs`` (no
     transformers needed). Arguments as ``quantize``'s."""
     mdtype = sd["model.embed_tokens.weight"].dtype
@@ -269,15 +339,28 @@ def quantize_state_dict(sd: dict, args: LlamaArgs, qcfg: QuantConfig, *, calibra
 
     if qcfg.needs_calibration and stats is None:
         if calibration_tokens is None:
-            raise ValueError(f"qops.llama.quantize: {qcfg.label()} (SmoothQuant or static scales) needs "
-                             "calibration_tokens")
+            raise ValueError(
+                f"qops.llama.quantize: {qcfg.label()} (SmoothQuant or static scales) needs calibration_tokens"
+            )
         if torch.as_tensor(calibration_tokens).numel() < 2:
-            raise ValueError("qops.llama.quantize: calibration_tokens is empty (at least 2 tokens are "
-                             "needed; give a few thousand for useful statistics)")
-        stats = calibrate(sd, args, calibration_tokens, seq_len=calib_seq_len, batch_size=calib_batch_size,
-                          device=device, inv_freq=inv_freq, attention_scaling=attention_scaling, progress=progress)
+            raise ValueError(
+                "qops.llama.quantize: calibration_tokens is empty (at least 2 tokens are "
+                "needed; give a few thousand for useful statistics)"
+            )
+        stats = calibrate(
+            sd,
+            args,
+            calibration_tokens,
+            seq_len=calib_seq_len,
+            batch_size=calib_batch_size,
+            device=device,
+            inv_freq=inv_freq,
+            attention_scaling=attention_scaling,
+            progress=progress,
+        )
     factors: dict = {}
     if qcfg.weights and qcfg.smoothquant:
+        assert stats is not None  # qcfg.needs_calibration: given or calibrated above
         sd, factors = apply_smoothing(sd, args, stats, qcfg.smooth_alpha, qcfg.smooth_targets)
         if "o" in qcfg.smooth_targets:  # V was rescaled: its statistics with it
             stats = dict(stats)
@@ -286,16 +369,28 @@ def quantize_state_dict(sd: dict, args: LlamaArgs, qcfg: QuantConfig, *, calibra
                 stats[f"layers.{i}.v"] = stats[f"layers.{i}.v"] / s.to(stats[f"layers.{i}.v"].device)
     input_scales = None
     if qcfg.weights and qcfg.activations == "static":
+        assert stats is not None  # qcfg.needs_calibration: given or calibrated above
         input_scales = {}
         for key in ("qkv", "o", "gate_up", "down"):
             for i in range(args.num_layers):
                 k = f"layers.{i}.{key}"
                 a = stats[k] / factors[k] if k in factors else stats[k]
                 input_scales[k] = _static_scale(a)
-    qmodel = QuantizedLlamaForCausalLM.from_state_dict(sd, args, qcfg, dtype=dtype, device=device,
-                                                       inv_freq=inv_freq, attention_scaling=attention_scaling,
-                                                       input_scales=input_scales, progress=progress)
+    qmodel = QuantizedLlamaForCausalLM.from_state_dict(
+        sd,
+        args,
+        qcfg,
+        dtype=dtype,
+        device=device,
+        inv_freq=inv_freq,
+        attention_scaling=attention_scaling,
+        input_scales=input_scales,
+        progress=progress,
+    )
     if qcfg.kv_cache == "int8" and qcfg.kv_scales == "static":
-        qmodel.kv_scales = ([_static_scale(stats[f"layers.{i}.k"]) for i in range(args.num_layers)],
-                            [_static_scale(stats[f"layers.{i}.v"]) for i in range(args.num_layers)])
+        assert stats is not None  # qcfg.needs_calibration: given or calibrated above
+        qmodel.kv_scales = (
+            [_static_scale(stats[f"layers.{i}.k"]) for i in range(args.num_layers)],
+            [_static_scale(stats[f"layers.{i}.v"]) for i in range(args.num_layers)],
+        )
     return qmodel.eval()

