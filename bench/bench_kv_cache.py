@@ -13,6 +13,7 @@ Run from the repository root:
 
     python -m bench.bench_kv_cache [--out DIR]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,10 @@ from qops.testing import bar_plot, bench_us, copy_bandwidth_gbps, gbps, l2_rotat
 
 DTYPE = torch.bfloat16
 # label: (H_kv, D), e.g. "llama3-8b (8 kv heads)": (8, 128), from bench/shapes.py.
-SHAPES = {f"{name} ({m.kv_heads} {'kv heads' if m.kv_heads < m.heads else 'heads'})": (m.kv_heads, m.head_dim)
-          for name, m in ((n, MODELS[n]) for n in ("llama3-8b", "llama2-7b", "smollm2"))}
+SHAPES = {
+    f"{name} ({m.kv_heads} {'kv heads' if m.kv_heads < m.heads else 'heads'})": (m.kv_heads, m.head_dim)
+    for name, m in ((n, MODELS[n]) for n in ("llama3-8b", "llama2-7b", "smollm2"))
+}
 
 
 def make_set(T, H, D, block_size, static, seed):
@@ -71,7 +74,7 @@ def main():
                 nb = moved_bytes(T, H, D, static)
                 n = l2_rotation_sets(nb)
                 sets = [make_set(T, H, D, 16, static, i) for i in range(n)]
-                us = bench_us(lambda i: (lambda: qops.reshape_and_cache_int8(*sets[i])), n)
+                us = bench_us(lambda i: lambda: qops.reshape_and_cache_int8(*sets[i]), n)
                 # anchor: eager bf16 paged write (index_put) of the same tokens
                 anchors = []
                 for key, value, k_cache, _, _, _, slots in sets:
@@ -86,31 +89,72 @@ def main():
                     def call():
                         kc16[blk, :, off] = key
                         vc16[blk, :, off] = value
+
                     return call
+
                 a_us = bench_us(make_anchor, n)
                 # the same bytes moved by a plain copy (nb / 2 read, nb / 2 written)
-                copies = [(torch.empty(nb // 2, dtype=torch.uint8, device="cuda"),
-                           torch.empty(nb // 2, dtype=torch.uint8, device="cuda")) for _ in range(n)]
-                c_us = bench_us(lambda i: (lambda: copies[i][1].copy_(copies[i][0])), n)
+                copies = [
+                    (
+                        torch.empty(nb // 2, dtype=torch.uint8, device="cuda"),
+                        torch.empty(nb // 2, dtype=torch.uint8, device="cuda"),
+                    )
+                    for _ in range(n)
+                ]
+                c_us = bench_us(lambda i: lambda: copies[i][1].copy_(copies[i][0]), n)
                 bw = gbps(nb, us)
-                rows.append({"shape": name, "T": T, "scales": "static" if static else "dynamic",
-                             "us": us, "GBps": bw, "frac_copy_bw": bw / copy_bw,
-                             "same_size_copy_us": c_us, "frac_same_size_copy": c_us / us,
-                             "torch_bf16_write_us": a_us, "speedup": a_us / us})
-                print(f"{name:24s} T={T:6d} {rows[-1]['scales']:7s}: {us:8.2f} us {bw:6.0f} GB/s "
-                      f"({100 * bw / copy_bw:.0f}% copy); same-size copy {c_us:7.2f} us "
-                      f"({100 * c_us / us:.0f}%); torch bf16 write {a_us:8.2f} us", flush=True)
-                del sets, anchors, copies
+                rows.append(
+                    {
+                        "shape": name,
+                        "T": T,
+                        "scales": "static" if static else "dynamic",
+                        "us": us,
+                        "GBps": bw,
+                        "frac_copy_bw": bw / copy_bw,
+                        "same_size_copy_us": c_us,
+                        "frac_same_size_copy": c_us / us,
+                        "torch_bf16_write_us": a_us,
+                        "speedup": a_us / us,
+                    }
+                )
+                print(
+                    f"{name:24s} T={T:6d} {rows[-1]['scales']:7s}: {us:8.2f} us {bw:6.0f} GB/s "
+                    f"({100 * bw / copy_bw:.0f}% copy); same-size copy {c_us:7.2f} us "
+                    f"({100 * c_us / us:.0f}%); torch bf16 write {a_us:8.2f} us",
+                    flush=True,
+                )
+                sets.clear()  # drop the tensors (the closures above hold the list)
+                anchors.clear()
+                copies.clear()
         torch.cuda.empty_cache()
     os.makedirs(args.out, exist_ok=True)
     write_csv(rows, os.path.join(args.out, "kv_cache_write.csv"))
     for r in rows:
         r["label"] = f"{r['shape'].split()[0]} T{r['T']} {r['scales'][0]}"
-    bar_plot(rows, "label", ["frac_copy_bw"], "reshape_and_cache_int8: fraction of copy bandwidth",
-             "fraction", os.path.join(args.out, "kv_cache_write.png"))
+    bar_plot(
+        rows,
+        "label",
+        ["frac_copy_bw"],
+        "reshape_and_cache_int8: fraction of copy bandwidth",
+        "fraction",
+        os.path.join(args.out, "kv_cache_write.png"),
+    )
     print("\n== reshape_and_cache_int8")
-    print_table(rows, ["shape", "T", "scales", "us", "GBps", "frac_copy_bw", "same_size_copy_us",
-                       "frac_same_size_copy", "torch_bf16_write_us", "speedup"])
+    print_table(
+        rows,
+        [
+            "shape",
+            "T",
+            "scales",
+            "us",
+            "GBps",
+            "frac_copy_bw",
+            "same_size_copy_us",
+            "frac_same_size_copy",
+            "torch_bf16_write_us",
+            "speedup",
+        ],
+    )
     return 0
 
 

@@ -19,6 +19,7 @@ The model shapes are bench/shapes.py's ``MODELS``. ``QOPS_PDL=0`` set before the
 
 Writes ``llama_decode.csv``, ``llama_decode.md`` and ``llama_decode.png`` to ``--out``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -71,8 +72,15 @@ def _free(dev) -> None:
 
 
 def _oom_row(name, batch, ctx, err) -> dict:
-    return {"name": name, "batch": batch, "context": ctx, "tokens_per_s": float("nan"),
-            "step_ms_median": float("nan"), "peak_memory": None, "note": f"OOM: {str(err).splitlines()[0][:80]}"}
+    return {
+        "name": name,
+        "batch": batch,
+        "context": ctx,
+        "tokens_per_s": float("nan"),
+        "step_ms_median": float("nan"),
+        "peak_memory": None,
+        "note": f"OOM: {str(err).splitlines()[0][:80]}",
+    }
 
 
 def run_one(fn, name, batch, ctx, dev, compiled: bool = False) -> dict:
@@ -104,8 +112,11 @@ def sequences_at_budget(budget: float, weight_bytes: int, kv_bytes_per_token: in
 def bench_model(name: str, a, dev, dtype) -> tuple[list[dict], list[dict]]:
     t0 = time.perf_counter()
     hf, what = load_model(name, a.smollm2_weights if name == "smollm2" else "random", dev, dtype)
-    print(f"\n== {name} ({what}), {sum(p.numel() for p in hf.parameters()) / 1e6:.0f}M params, "
-          f"loaded in {time.perf_counter() - t0:.1f} s", flush=True)
+    print(
+        f"\n== {name} ({what}), {sum(p.numel() for p in hf.parameters()) / 1e6:.0f}M params, "
+        f"loaded in {time.perf_counter() - t0:.1f} s",
+        flush=True,
+    )
     rows: list[dict] = []
     base = dict(steps=a.steps, warmup=a.warmup, fill=a.fill)
     grid = [(c, b) for c in a.contexts for b in a.batches]
@@ -113,15 +124,37 @@ def bench_model(name: str, a, dev, dtype) -> tuple[list[dict], list[dict]]:
         for spec in a.baselines:
             attn, cache, *comp = spec.split("/")
             label = f"HF fp16 {attn}/{cache}" + (f" +compile({comp[0]})" if comp else "")
-            r = run_one(functools.partial(time_hf_decode, hf, b, ctx, cache=cache, attn=attn,
-                                          compile_backend=comp[0] if comp else None, **base),
-                        label, b, ctx, dev, compiled=bool(comp))
+            r = run_one(
+                functools.partial(
+                    time_hf_decode,
+                    hf,
+                    b,
+                    ctx,
+                    cache=cache,
+                    attn=attn,
+                    compile_backend=comp[0] if comp else None,
+                    **base,
+                ),
+                label,
+                b,
+                ctx,
+                dev,
+                compiled=bool(comp),
+            )
             rows.append({"model": name, **r})
-            print(f"  {label:28s} B={b:<3d} ctx={ctx:<5d} {r['tokens_per_s']:10.1f} tok/s  "
-                  f"{r['step_ms_median']:8.2f} ms/step  {r.get('note', '')}", flush=True)
+            print(
+                f"  {label:28s} B={b:<3d} ctx={ctx:<5d} {r['tokens_per_s']:10.1f} tok/s  "
+                f"{r['step_ms_median']:8.2f} ms/step  {r.get('note', '')}",
+                flush=True,
+            )
     hf_wbytes = sum(p.numel() * p.element_size() for p in {p.data_ptr(): p for p in hf.parameters()}.values())
-    hf_kv = 2 * hf.config.num_hidden_layers * (hf.config.num_key_value_heads or hf.config.num_attention_heads) \
-        * (getattr(hf.config, "head_dim", None) or hf.config.hidden_size // hf.config.num_attention_heads) * 2
+    hf_kv = (
+        2
+        * hf.config.num_hidden_layers
+        * (hf.config.num_key_value_heads or hf.config.num_attention_heads)
+        * (getattr(hf.config, "head_dim", None) or hf.config.hidden_size // hf.config.num_attention_heads)
+        * 2
+    )
     # quantize every variant from the float model (dynamic scales: no calibration; SmoothQuant would
     # not change the speed), park them on the CPU, free the float model, then time each on the GPU
     parked = {}
@@ -136,30 +169,51 @@ def bench_model(name: str, a, dev, dtype) -> tuple[list[dict], list[dict]]:
         q = q.to(dev)
         qinfo[variant] = (q.weight_bytes(), q.kv_bytes_per_token())
         for ctx, b in grid:
-            for graph in ([False, True] if a.cuda_graph and dev.type == "cuda" else [False]):
+            for graph in [False, True] if a.cuda_graph and dev.type == "cuda" else [False]:
                 label = variant + (" (graph)" if graph else "")
-                r = run_one(functools.partial(time_qops_decode, q, b, ctx, cuda_graph=graph, name=label, **base),
-                            label, b, ctx, dev)
+                r = run_one(
+                    functools.partial(time_qops_decode, q, b, ctx, cuda_graph=graph, name=label, **base),
+                    label,
+                    b,
+                    ctx,
+                    dev,
+                )
                 rows.append({"model": name, **r})
-                print(f"  {label:28s} B={b:<3d} ctx={ctx:<5d} {r['tokens_per_s']:10.1f} tok/s  "
-                      f"{r['step_ms_median']:8.2f} ms/step  {r.get('note', '')}", flush=True)
+                print(
+                    f"  {label:28s} B={b:<3d} ctx={ctx:<5d} {r['tokens_per_s']:10.1f} tok/s  "
+                    f"{r['step_ms_median']:8.2f} ms/step  {r.get('note', '')}",
+                    flush=True,
+                )
         parked[variant] = None
         del q
         _free(dev)
 
     # speedups against the best fp16 HF baseline at the same point
     for r in rows:
-        same = [x for x in rows if x["batch"] == r["batch"] and x["context"] == r["context"]
-                and x["name"].startswith("HF") and x["tokens_per_s"] == x["tokens_per_s"]]
+        same = [
+            x
+            for x in rows
+            if x["batch"] == r["batch"]
+            and x["context"] == r["context"]
+            and x["name"].startswith("HF")
+            and x["tokens_per_s"] == x["tokens_per_s"]
+        ]
         best = max((x["tokens_per_s"] for x in same), default=float("nan"))
         r["vs_best_hf"] = r["tokens_per_s"] / best if best == best and best > 0 else float("nan")
 
-    budget = a.budget_gib * 2**30 if a.budget_gib else (
-        torch.cuda.get_device_properties(dev).total_memory * 0.9 if dev.type == "cuda" else 16 * 2**30)
+    budget = (
+        a.budget_gib * 2**30
+        if a.budget_gib
+        else (torch.cuda.get_device_properties(dev).total_memory * 0.9 if dev.type == "cuda" else 16 * 2**30)
+    )
     fit = []
     for ctx in a.contexts:
-        row = {"model": name, "context": ctx, "budget_GiB": budget / 2**30,
-               "fp16_seqs": sequences_at_budget(budget, hf_wbytes, hf_kv, ctx)}
+        row = {
+            "model": name,
+            "context": ctx,
+            "budget_GiB": budget / 2**30,
+            "fp16_seqs": sequences_at_budget(budget, hf_wbytes, hf_kv, ctx),
+        }
         for variant, (wb, kvb) in qinfo.items():
             row[f"{variant}_seqs"] = sequences_at_budget(budget, wb, kvb, ctx)
         row["kv_ratio"] = qinfo[a.variants[0]][1] / hf_kv
@@ -181,11 +235,19 @@ def plot(rows, path):
     fig, axes = plt.subplots(1, len(keys), figsize=(4.5 * len(keys), 4), squeeze=False)
     for ax, (m, c) in zip(axes[0], keys):
         for name in dict.fromkeys(r["name"] for r in rows):
-            pts = sorted((r["batch"], r["tokens_per_s"]) for r in rows
-                         if r["model"] == m and r["context"] == c and r["name"] == name)
+            pts = sorted(
+                (r["batch"], r["tokens_per_s"])
+                for r in rows
+                if r["model"] == m and r["context"] == c and r["name"] == name
+            )
             if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name,
-                        linestyle="-" if not name.startswith("HF") else "--")
+                ax.plot(
+                    [p[0] for p in pts],
+                    [p[1] for p in pts],
+                    marker="o",
+                    label=name,
+                    linestyle="-" if not name.startswith("HF") else "--",
+                )
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("batch")
@@ -208,31 +270,54 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--fill", default="random", choices=["random", "prefill"])
-    p.add_argument("--baselines", default="eager/dynamic,eager/static,sdpa/dynamic,sdpa/static",
-                   help="HF fp16 anchors as attn/cache[/compile backend], e.g. sdpa/static/cudagraphs "
-                        "(torch.compile of the decode step replayed as a CUDA graph)")
-    p.add_argument("--variants", default="W8A8+KV8", help="qops variants (labels as QuantConfig.from_label), "
-                   "e.g. W8A8+KV8,W8A8,KV8 (the float-cache variants run PyTorch attention)")
+    p.add_argument(
+        "--baselines",
+        default="eager/dynamic,eager/static,sdpa/dynamic,sdpa/static",
+        help="HF fp16 anchors as attn/cache[/compile backend], e.g. sdpa/static/cudagraphs "
+        "(torch.compile of the decode step replayed as a CUDA graph)",
+    )
+    p.add_argument(
+        "--variants",
+        default="W8A8+KV8",
+        help="qops variants (labels as QuantConfig.from_label), "
+        "e.g. W8A8+KV8,W8A8,KV8 (the float-cache variants run PyTorch attention)",
+    )
     p.add_argument("--cuda-graph", action="store_true", help="also time the qops decode step as a CUDA graph")
-    p.add_argument("--budget-gib", type=float, default=None, help="memory budget for the fit table "
-                   "(default: 90%% of the GPU's memory)")
+    p.add_argument(
+        "--budget-gib",
+        type=float,
+        default=None,
+        help="memory budget for the fit table (default: 90%% of the GPU's memory)",
+    )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default="bench/out")
     a = p.parse_args(argv)
     a.batches = [int(x) for x in a.batches.split(",")]
     a.contexts = [int(x) for x in a.contexts.split(",")]
     a.baselines = [x for x in a.baselines.split(",") if x]
-    bad = [x for x in a.baselines if len(x.split("/")) not in (2, 3) or (len(x.split("/")) == 3
-                                                                      and x.split("/")[1] != "static")]
+    bad = [
+        x
+        for x in a.baselines
+        if len(x.split("/")) not in (2, 3) or (len(x.split("/")) == 3 and x.split("/")[1] != "static")
+    ]
     if bad:
         p.error(f"--baselines: {bad}: expected attn/cache or attn/static/backend (compiling needs the static cache)")
     a.variants = [x for x in a.variants.split(",") if x]
     dev = torch.device(a.device)
     dtype = torch.float16
     if dev.type == "cuda":
-        missing = [n for n in ("w8a8_gemm", "paged_decode_attention_int8", "reshape_and_cache_int8",
-                               "fused_add_rms_norm_quant", "silu_and_mul_quant", "quant_per_token")
-                   if not qops.has_cuda_kernel(n)]
+        missing = [
+            n
+            for n in (
+                "w8a8_gemm",
+                "paged_decode_attention_int8",
+                "reshape_and_cache_int8",
+                "fused_add_rms_norm_quant",
+                "silu_and_mul_quant",
+                "quant_per_token",
+            )
+            if not qops.has_cuda_kernel(n)
+        ]
         if missing:
             print(f"note: no CUDA kernel in this build for {missing}: the quantized rows will fail", flush=True)
         print(f"device: {torch.cuda.get_device_name(dev)}, torch {torch.__version__}", flush=True)
@@ -247,20 +332,38 @@ def main(argv=None) -> int:
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    cols = [("model", "model", ""), ("name", "variant", ""), ("batch", "batch", "d"), ("context", "context", "d"),
-            ("tokens_per_s", "tokens/s", ".1f"), ("step_ms_median", "ms/token (step)", ".2f"),
-            ("vs_best_hf", "vs best HF fp16", ".2f"), ("peak_gib", "peak GiB", ".2f"),
-            ("kv_bytes_per_token", "KV B/token", "d"), ("note", "note", "")]
+    cols = [
+        ("model", "model", ""),
+        ("name", "variant", ""),
+        ("batch", "batch", "d"),
+        ("context", "context", "d"),
+        ("tokens_per_s", "tokens/s", ".1f"),
+        ("step_ms_median", "ms/token (step)", ".2f"),
+        ("vs_best_hf", "vs best HF fp16", ".2f"),
+        ("peak_gib", "peak GiB", ".2f"),
+        ("kv_bytes_per_token", "KV B/token", "d"),
+        ("note", "note", ""),
+    ]
     for r in all_rows:
         r["peak_gib"] = r["peak_memory"] / 2**30 if r.get("peak_memory") else float("nan")
-    fit_cols = [("model", "model", ""), ("context", "context", "d"), ("budget_GiB", "budget GiB", ".1f"),
-                ("fp16_seqs", "fp16 seqs", "d")] + \
-        [(f"{v}_seqs", f"{v} seqs", "d") for v in a.variants] + [("kv_ratio", "KV bytes vs fp16", ".3f"),
-                                                                 ("gain", f"{a.variants[0]} / fp16", ".2f")]
+    fit_cols = (
+        [
+            ("model", "model", ""),
+            ("context", "context", "d"),
+            ("budget_GiB", "budget GiB", ".1f"),
+            ("fp16_seqs", "fp16 seqs", "d"),
+        ]
+        + [(f"{v}_seqs", f"{v} seqs", "d") for v in a.variants]
+        + [("kv_ratio", "KV bytes vs fp16", ".3f"), ("gain", f"{a.variants[0]} / fp16", ".2f")]
+    )
     where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
-    md = (f"### Decode throughput ({where}; {a.steps} steps after {a.warmup} warm-up, fill={a.fill})\n\n"
-          + format_table(all_rows, cols) + "\n\n### Sequences that fit (weights + KV cache)\n\n"
-          + format_table(all_fit, fit_cols) + "\n")
+    md = (
+        f"### Decode throughput ({where}; {a.steps} steps after {a.warmup} warm-up, fill={a.fill})\n\n"
+        + format_table(all_rows, cols)
+        + "\n\n### Sequences that fit (weights + KV cache)\n\n"
+        + format_table(all_fit, fit_cols)
+        + "\n"
+    )
     (out / "llama_decode.md").write_text(md)
     import csv
 

@@ -11,7 +11,8 @@ Run from the repository root:
     python -m bench.bench_norm_act --out bench/out --sweep    # plus launch-shape sweeps
     python -m bench.bench_norm_act --variants-only            # only the norm variant comparison
 
-The norm ops have two kernels (csrc/norm/norm_rowres.cu, norm_pipelined.cu): "rowres" (one row per CTA, registers only) and
+The norm ops have two kernels (csrc/norm/norm_rowres.cu, norm_pipelined.cu): "rowres" (one row per CTA,
+registers only) and
 "pipelined" (persistent CTAs streaming rows through a cp.async shared-memory ring); the launcher
 picks one by a rule, and ``tuning=qops.NormTuning(variant="rowres"|"pipelined")`` forces either
 (per call, so a CUDA graph captures the variant of the calls it records). The variant table times
@@ -20,6 +21,7 @@ in {4096, 16384} and H in {4096, 8192, 576}, prints rowres / pipelined, and name
 rule picks ("auto"). The sweep forces the launch shapes (``threads_per_row``, ``cluster``) through
 ``qops.NormTuning`` / ``qops.FusedQuantTuning``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -96,10 +98,10 @@ def bench_case(op, T, H, dtype, compiled=None, replays=50, tuning=None):
     cus = None
     if compiled is not None:
         if op.startswith("silu"):
-            cus = bench_us(lambda i: (lambda: compiled(xs[i])), n_sets, replays=replays)
+            cus = bench_us(lambda i: lambda: compiled(xs[i]), n_sets, replays=replays)
         else:
-            cus = bench_us(lambda i: (lambda: compiled(xs[i], rs[i], w)), n_sets, replays=replays)
-    del xs
+            cus = bench_us(lambda i: lambda: compiled(xs[i], rs[i], w), n_sets, replays=replays)
+    xs.clear()  # drop the tensors (the closures above hold the list)
     return us, cus, moved
 
 
@@ -107,8 +109,13 @@ def table(args, dtype, copy):
     c_norm = torch.compile(_add_norm_dyn, dynamic=False)
     c_silu = torch.compile(_silu_dyn, dynamic=False)
     rows = []
-    ops = [("add_norm_dyn", c_norm), ("norm_dyn", None), ("add_norm_static", None),
-           ("silu_dyn", c_silu), ("silu_static", None)]
+    ops = [
+        ("add_norm_dyn", c_norm),
+        ("norm_dyn", None),
+        ("add_norm_static", None),
+        ("silu_dyn", c_silu),
+        ("silu_static", None),
+    ]
     for model, (H, I) in MODELS.items():
         for T in TOKENS:
             for op, comp in ops:
@@ -116,15 +123,25 @@ def table(args, dtype, copy):
                     comp = None
                 size = I if op.startswith("silu") else H
                 us, cus, moved = bench_case(op, T, size, dtype, comp)
-                r = {"op": op, "model": model, "T": T, "size": size, "us": us, "GBps": gbps(moved, us),
-                     "frac_copy": gbps(moved, us) / copy,
-                     "compile_us": cus if cus is not None else float("nan"),
-                     "compile_GBps": gbps(moved, cus) if cus else float("nan"),
-                     "vs_compile": (cus / us) if cus else float("nan"), "MB_moved": moved / 1e6}
+                r = {
+                    "op": op,
+                    "model": model,
+                    "T": T,
+                    "size": size,
+                    "us": us,
+                    "GBps": gbps(moved, us),
+                    "frac_copy": gbps(moved, us) / copy,
+                    "compile_us": cus if cus is not None else float("nan"),
+                    "compile_GBps": gbps(moved, cus) if cus else float("nan"),
+                    "vs_compile": (cus / us) if cus else float("nan"),
+                    "MB_moved": moved / 1e6,
+                }
                 rows.append(r)
-                print(f"{op:16s} {model:11s} T={T:6d} {size:6d}: {us:9.2f} us {r['GBps']:7.0f} GB/s "
-                      f"({r['frac_copy']:.2f} of copy)  compile {r['compile_us']:9.2f} us  x{r['vs_compile']:.2f}",
-                      flush=True)
+                print(
+                    f"{op:16s} {model:11s} T={T:6d} {size:6d}: {us:9.2f} us {r['GBps']:7.0f} GB/s "
+                    f"({r['frac_copy']:.2f} of copy)  compile {r['compile_us']:9.2f} us  x{r['vs_compile']:.2f}",
+                    flush=True,
+                )
             torch._dynamo.reset()
     return rows
 
@@ -151,26 +168,51 @@ def _shape_grid(op, T):
 def sweep(args, dtype, copy):
     """Launch-shape sweep at the target shapes: threads_per_row / cluster (0 = auto) for the
     row-resident kernels, threads_per_row / pipe_stages for the pipelined norm kernel."""
-    cases = [("add_norm_dyn", 4096, 4096), ("norm_dyn", 4096, 4096), ("add_norm_dyn", 16384, 4096),
-             ("add_norm_dyn", 4096, 8192), ("norm_dyn", 16384, 8192), ("add_norm_dyn", 16384, 576),
-             ("silu_dyn", 4096, 14336), ("silu_dyn", 4096, 11008), ("silu_dyn", 4096, 28672),
-             ("silu_dyn", 16384, 1536), ("silu_static", 4096, 14336),
-             ("add_norm_dyn", 16, 4096), ("add_norm_dyn", 16, 8192), ("silu_dyn", 16, 14336),
-             ("silu_dyn", 1, 28672), ("silu_dyn", 16, 28672)]
+    cases = [
+        ("add_norm_dyn", 4096, 4096),
+        ("norm_dyn", 4096, 4096),
+        ("add_norm_dyn", 16384, 4096),
+        ("add_norm_dyn", 4096, 8192),
+        ("norm_dyn", 16384, 8192),
+        ("add_norm_dyn", 16384, 576),
+        ("silu_dyn", 4096, 14336),
+        ("silu_dyn", 4096, 11008),
+        ("silu_dyn", 4096, 28672),
+        ("silu_dyn", 16384, 1536),
+        ("silu_static", 4096, 14336),
+        ("add_norm_dyn", 16, 4096),
+        ("add_norm_dyn", 16, 8192),
+        ("silu_dyn", 16, 14336),
+        ("silu_dyn", 1, 28672),
+        ("silu_dyn", 16, 28672),
+    ]
     rows = []
     for op, T, size in cases:
         best = None
         auto = None
         for variant, tpr, cl, stages in _shape_grid(op, T):
             try:
-                us, _, moved = bench_case(op, T, size, dtype, None, replays=20,
-                                          tuning=_tuning(op, variant, tpr, cl, stages))
+                us, _, moved = bench_case(
+                    op, T, size, dtype, None, replays=20, tuning=_tuning(op, variant, tpr, cl, stages)
+                )
             except (RuntimeError, ValueError) as e:  # a shape that does not fit
-                print(f"sweep {op} T={T} {size} {variant} tpr={tpr} cluster={cl} stages={stages}: "
-                      f"{str(e).splitlines()[0][:80]}")
+                print(
+                    f"sweep {op} T={T} {size} {variant} tpr={tpr} cluster={cl} stages={stages}: "
+                    f"{str(e).splitlines()[0][:80]}"
+                )
                 continue
-            r = {"op": op, "T": T, "size": size, "variant": variant, "tpr": tpr, "cluster": cl,
-                 "stages": stages, "us": us, "GBps": gbps(moved, us), "frac_copy": gbps(moved, us) / copy}
+            r = {
+                "op": op,
+                "T": T,
+                "size": size,
+                "variant": variant,
+                "tpr": tpr,
+                "cluster": cl,
+                "stages": stages,
+                "us": us,
+                "GBps": gbps(moved, us),
+                "frac_copy": gbps(moved, us) / copy,
+            }
             rows.append(r)
             if variant == "auto" and tpr == 0 and cl == 0:
                 auto = r
@@ -178,9 +220,12 @@ def sweep(args, dtype, copy):
                 best = r
         if best is None:
             continue
-        print(f"sweep best {op} T={T} {size}: {best['variant']} tpr={best['tpr']} cluster={best['cluster']} "
-              f"stages={best['stages']} {best['us']:.2f} us {best['GBps']:.0f} GB/s; "
-              f"auto {auto['us'] if auto else float('nan'):.2f} us", flush=True)
+        print(
+            f"sweep best {op} T={T} {size}: {best['variant']} tpr={best['tpr']} cluster={best['cluster']} "
+            f"stages={best['stages']} {best['us']:.2f} us {best['GBps']:.0f} GB/s; "
+            f"auto {auto['us'] if auto else float('nan'):.2f} us",
+            flush=True,
+        )
     write_csv(rows, os.path.join(args.out, "bench_norm_act_sweep.csv"))
     return rows
 
@@ -209,7 +254,7 @@ def _auto_kernel(op, T, H, dtype):
                 qops.rms_norm_quant(x, w, EPS, s)
             torch.cuda.synchronize()
         names = [e.name for e in prof.events() if "norm_quant" in e.name]
-    except Exception:  # noqa: BLE001 - informational only
+    except Exception:
         return "?"
     if not names:
         return "?"
@@ -224,23 +269,43 @@ def variants(args, dtype, copy):
         for T in VARIANT_TOKENS:
             for op in VARIANT_OPS:
                 r = {"op": op, "T": T, "H": H}
-                for name, variant, stages in (("rowres", "rowres", 0), ("pipelined", "pipelined", 0),
-                                              ("pipelined_s2", "pipelined", 2), ("pipelined_s3", "pipelined", 3)):
+                for name, variant, stages in (
+                    ("rowres", "rowres", 0),
+                    ("pipelined", "pipelined", 0),
+                    ("pipelined_s2", "pipelined", 2),
+                    ("pipelined_s3", "pipelined", 3),
+                ):
                     us, _, moved = bench_case(op, T, H, dtype, None, tuning=_tuning(op, variant, stages=stages))
                     r[f"{name}_us"] = us
                     r[f"{name}_frac"] = gbps(moved, us) / copy
                 r["ratio"] = r["rowres_us"] / r["pipelined_us"]
                 r["auto"] = _auto_kernel(op, T, H, dtype)
                 rows.append(r)
-                print(f"variants {op:16s} T={T:6d} H={H:5d}: rowres {r['rowres_us']:8.2f} us "
-                      f"({r['rowres_frac']:.2f} of copy)  pipelined {r['pipelined_us']:8.2f} us "
-                      f"({r['pipelined_frac']:.2f}; ring 2: {r['pipelined_s2_us']:.2f}, ring 3: "
-                      f"{r['pipelined_s3_us']:.2f})  rowres/pipelined x{r['ratio']:.2f}  auto={r['auto']}",
-                      flush=True)
+                print(
+                    f"variants {op:16s} T={T:6d} H={H:5d}: rowres {r['rowres_us']:8.2f} us "
+                    f"({r['rowres_frac']:.2f} of copy)  pipelined {r['pipelined_us']:8.2f} us "
+                    f"({r['pipelined_frac']:.2f}; ring 2: {r['pipelined_s2_us']:.2f}, ring 3: "
+                    f"{r['pipelined_s3_us']:.2f})  rowres/pipelined x{r['ratio']:.2f}  auto={r['auto']}",
+                    flush=True,
+                )
     write_csv(rows, os.path.join(args.out, "bench_norm_act_variants.csv"))
     print(f"norm kernel variants ({args.dtype}), copy bandwidth {copy:.0f} GB/s; ratio = rowres us / pipelined us")
-    print_table(rows, ["op", "T", "H", "rowres_us", "rowres_frac", "pipelined_us", "pipelined_frac",
-                       "pipelined_s2_us", "pipelined_s3_us", "ratio", "auto"])
+    print_table(
+        rows,
+        [
+            "op",
+            "T",
+            "H",
+            "rowres_us",
+            "rowres_frac",
+            "pipelined_us",
+            "pipelined_frac",
+            "pipelined_s2_us",
+            "pipelined_s3_us",
+            "ratio",
+            "auto",
+        ],
+    )
     return rows
 
 
@@ -269,8 +334,14 @@ def main() -> None:
     for r in rows:
         r["shape"] = f"{r['op']} {r['model']} T{r['T']}"
     big = [r for r in rows if r["T"] >= 4096 and r["op"] in ("add_norm_dyn", "silu_dyn")]
-    bar_plot(big, "shape", ["GBps", "compile_GBps"], f"norm/act + int8 quant ({args.dtype}), copy = {copy:.0f} GB/s",
-             "GB/s moved", os.path.join(args.out, "bench_norm_act.png"))
+    bar_plot(
+        big,
+        "shape",
+        ["GBps", "compile_GBps"],
+        f"norm/act + int8 quant ({args.dtype}), copy = {copy:.0f} GB/s",
+        "GB/s moved",
+        os.path.join(args.out, "bench_norm_act.png"),
+    )
     print(f"copy bandwidth {copy:.0f} GB/s; dtype {args.dtype}")
     print_table(rows, ["op", "model", "T", "size", "us", "GBps", "frac_copy", "compile_us", "vs_compile"])
     if not args.no_variants:

@@ -7,6 +7,7 @@ Run from the repository root:
 
     python -m bench.bench_quant --out bench/out
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,10 +48,10 @@ def main() -> None:
             moved_tok = nbytes_in + t * h + 4 * t
             moved_ten = nbytes_in + t * h + 4
             us = {
-                "per_token": bench_us(lambda i: (lambda: qops.quant_per_token(xs[i])), n_sets),
-                "per_token_compile": bench_us(lambda i: (lambda: compiled_tok(xs[i])), n_sets),
-                "per_tensor": bench_us(lambda i: (lambda: qops.quant_per_tensor(xs[i], scale)), n_sets),
-                "per_tensor_compile": bench_us(lambda i: (lambda: compiled_ten(xs[i], scale)), n_sets),
+                "per_token": bench_us(lambda i: lambda: qops.quant_per_token(xs[i]), n_sets),
+                "per_token_compile": bench_us(lambda i: lambda: compiled_tok(xs[i]), n_sets),
+                "per_tensor": bench_us(lambda i: lambda: qops.quant_per_tensor(xs[i], scale), n_sets),
+                "per_tensor_compile": bench_us(lambda i: lambda: compiled_ten(xs[i], scale), n_sets),
             }
             r = {"T": t, "H": h}
             for k, v in us.items():
@@ -65,10 +66,29 @@ def main() -> None:
     write_csv(rows, os.path.join(args.out, "bench_quant.csv"))
     for r in rows:
         r["shape"] = f"{r['T']}x{r['H']}"
-    bar_plot(rows, "shape", ["per_token_GBps", "per_token_compile_GBps", "per_tensor_GBps"],
-             f"int8 quant ({args.dtype}), copy = {copy:.0f} GB/s", "GB/s moved", os.path.join(args.out, "bench_quant.png"))
-    print_table(rows, ["T", "H", "per_token_us", "per_token_GBps", "per_token_frac_copy", "per_token_compile_us",
-                       "per_token_vs_compile", "per_tensor_us", "per_tensor_frac_copy", "per_tensor_vs_compile"])
+    bar_plot(
+        rows,
+        "shape",
+        ["per_token_GBps", "per_token_compile_GBps", "per_tensor_GBps"],
+        f"int8 quant ({args.dtype}), copy = {copy:.0f} GB/s",
+        "GB/s moved",
+        os.path.join(args.out, "bench_quant.png"),
+    )
+    print_table(
+        rows,
+        [
+            "T",
+            "H",
+            "per_token_us",
+            "per_token_GBps",
+            "per_token_frac_copy",
+            "per_token_compile_us",
+            "per_token_vs_compile",
+            "per_tensor_us",
+            "per_tensor_frac_copy",
+            "per_tensor_vs_compile",
+        ],
+    )
 
 
 if __name__ == "__main__":

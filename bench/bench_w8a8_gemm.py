@@ -20,6 +20,7 @@ Run from the repository root:
     python -m bench.bench_w8a8_gemm --out bench/out [--sweep] [--epilogues] [--gemv-shapes] [--quick]
         [--layers 8B.o,70B-tp8.qkv] [--tokens 1,17,300,1000] [--no-anchors] [--uniform-int8]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,8 +34,15 @@ import torch.nn.functional as F
 import qops
 from bench.shapes import GEMM_LAYERS
 from cutlass_kernels import w8a8_configs as table
-from qops.testing import (bench_interleaved_us, bench_us, copy_bandwidth_gbps, line_grid_plot, l2_rotation_sets,
-                          print_table, write_csv)
+from qops.testing import (
+    bench_interleaved_us,
+    bench_us,
+    copy_bandwidth_gbps,
+    l2_rotation_sets,
+    line_grid_plot,
+    print_table,
+    write_csv,
+)
 
 TOKENS = [1, 16, 64, 128, 256, 1024, 4096, 8192]
 EPILOGUE_TOKENS = [16, 1024, 4096, 8192]
@@ -69,15 +77,20 @@ def time_configs(m, n, k, configs, *, enable_pdl=None, tuning=None) -> dict:
     between configs is made on. ``enable_pdl``, ``tuning`` (a qops.GemvTuning): every call's
     launch options (None: the defaults)."""
     n_sets = l2_rotation_sets(m * k + n * k + 2 * m * n)
-    sets = [(_int8(m, k), _int8(n, k), torch.rand(m, device="cuda") * 0.02, torch.rand(n, device="cuda") * 1e-3)
-            for _ in range(n_sets)]
+    sets = [
+        (_int8(m, k), _int8(n, k), torch.rand(m, device="cuda") * 0.02, torch.rand(n, device="cuda") * 1e-3)
+        for _ in range(n_sets)
+    ]
 
     def maker(config):
         name, _, flag = config.partition("/")  # "auto/overlap": overlap_prologue=True
+
         def make(i):
             a, b, sa, sb = sets[i]
-            return lambda: qops.w8a8_gemm(a, b, sa, sb, OUT, config=name, overlap_prologue=flag == "overlap",
-                                          enable_pdl=enable_pdl, tuning=tuning)
+            return lambda: qops.w8a8_gemm(
+                a, b, sa, sb, OUT, config=name, overlap_prologue=flag == "overlap", enable_pdl=enable_pdl, tuning=tuning
+            )
+
         return make
 
     return bench_interleaved_us({c: maker(c) for c in configs}, n_sets)
@@ -98,16 +111,22 @@ def time_epilogues(m, n, k) -> dict:
     n_sets = l2_rotation_sets(m * k + n * k + 2 * m * n)
     sets = []
     for _ in range(n_sets):
-        sets.append(dict(a=_int8(m, k), b=_int8(n, k),
-                         sa={True: torch.rand(1, device="cuda") * 0.02, False: torch.rand(m, device="cuda") * 0.02},
-                         sb={True: torch.rand(1, device="cuda") * 1e-3, False: torch.rand(n, device="cuda") * 1e-3},
-                         bias={dt: torch.randn(n, device="cuda", dtype=dt) for dt in (torch.float16, torch.bfloat16)}))
+        sets.append(
+            dict(
+                a=_int8(m, k),
+                b=_int8(n, k),
+                sa={True: torch.rand(1, device="cuda") * 0.02, False: torch.rand(m, device="cuda") * 0.02},
+                sb={True: torch.rand(1, device="cuda") * 1e-3, False: torch.rand(n, device="cuda") * 1e-3},
+                bias={dt: torch.randn(n, device="cuda", dtype=dt) for dt in (torch.float16, torch.bfloat16)},
+            )
+        )
 
     def maker(per_tensor, bias, out_dtype):
         def make(i):
             s = sets[i]
             bb = s["bias"][out_dtype] if bias else None
             return lambda: qops.w8a8_gemm(s["a"], s["b"], s["sa"][per_tensor], s["sb"][per_tensor], out_dtype, bb)
+
         return make
 
     return bench_interleaved_us({name: maker(*v) for name, v in EPILOGUES.items()}, n_sets)
@@ -128,12 +147,16 @@ def run_epilogues(layers, tokens, out_dir) -> None:
             r["bias_over_token"] = us["token_bias_bf16"] / us["token_bf16"]
             r["fp16_over_bf16"] = us["token_fp16"] / us["token_bf16"]
             rows.append(r)
-            print(f"{layer:16s} M={m:5d}: per-tensor {us['tensor_bf16']:8.1f} us, per-token x per-channel "
-                  f"{us['token_bf16']:8.1f} us ({r['token_over_tensor']:.3f}x)", flush=True)
+            print(
+                f"{layer:16s} M={m:5d}: per-tensor {us['tensor_bf16']:8.1f} us, per-token x per-channel "
+                f"{us['token_bf16']:8.1f} us ({r['token_over_tensor']:.3f}x)",
+                flush=True,
+            )
     write_csv(rows, os.path.join(out_dir, "bench_w8a8_epilogues.csv"))
     print("\n== epilogues (us per call; ratios > 1: the variant is slower)")
-    print_table(rows, ["layer", "M", *[f"{n}_us" for n in EPILOGUES], "token_over_tensor", "bias_over_token",
-                       "fp16_over_bf16"])
+    print_table(
+        rows, ["layer", "M", *[f"{n}_us" for n in EPILOGUES], "token_over_tensor", "bias_over_token", "fp16_over_bf16"]
+    )
 
 
 def time_linear(m, n, k):
@@ -201,15 +224,32 @@ def run_gemv_shapes(layers, tokens, out_dir, copy_gbps: float) -> None:
             r["vs_best_cutlass"] = r["best_cutlass_us"] / r["gemv_us"]
             r["of_copy"] = moved / r["gemv_us"] * 1e-3 / copy_gbps
             rows.append(r)
-            print(f"{layer:16s} M={m:3d}: gemv {r['gemv_us']:6.1f} us ({r['of_copy']:.2f} of copy), best shape "
-                  f"{r['best_shape']} {shapes[r['best_shape']]:6.1f} us, best CUTLASS {r['best_cutlass_us']:6.1f} us",
-                  flush=True)
+            print(
+                f"{layer:16s} M={m:3d}: gemv {r['gemv_us']:6.1f} us ({r['of_copy']:.2f} of copy), best shape "
+                f"{r['best_shape']} {shapes[r['best_shape']]:6.1f} us, best CUTLASS {r['best_cutlass_us']:6.1f} us",
+                flush=True,
+            )
     write_csv(rows, os.path.join(out_dir, "bench_w8a8_gemv_shapes.csv"))
-    print(f"\n== decode GEMV launch shapes (us per call; rRwWcC = R rows of N and W warps per CTA, C chunks "
-          f"per load batch; "
-          f"copy {copy_gbps:.0f} GB/s)")
-    print_table(rows, ["layer", "M", "gemv_us", "no_pdl_us", *GEMV_SHAPE_NAMES, "best_shape",
-                       "gemv_over_best_shape", "best_cutlass_us", "vs_best_cutlass", "of_copy"])
+    print(
+        f"\n== decode GEMV launch shapes (us per call; rRwWcC = R rows of N and W warps per CTA, C chunks "
+        f"per load batch; "
+        f"copy {copy_gbps:.0f} GB/s)"
+    )
+    print_table(
+        rows,
+        [
+            "layer",
+            "M",
+            "gemv_us",
+            "no_pdl_us",
+            *GEMV_SHAPE_NAMES,
+            "best_shape",
+            "gemv_over_best_shape",
+            "best_cutlass_us",
+            "vs_best_cutlass",
+            "of_copy",
+        ],
+    )
 
 
 def main() -> None:
@@ -219,7 +259,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="a few shapes only")
     p.add_argument("--epilogues", action="store_true", help="also compare the epilogue variants")
     p.add_argument("--layers", help="comma-separated layer names (default: all; see bench/shapes.py GEMM_LAYERS)")
-    p.add_argument("--tokens", help="comma-separated M values (default: %s)" % ",".join(map(str, TOKENS)))
+    p.add_argument("--tokens", help="comma-separated M values (default: {})".format(",".join(map(str, TOKENS))))
     p.add_argument("--no-anchors", action="store_true", help="time only our kernels (with --sweep: tuning)")
     p.add_argument("--uniform-int8", action="store_true", help="uniform random int8 operands (worst-case power)")
     p.add_argument("--gemv-shapes", action="store_true", help="also time the decode GEMV at every launch shape")
@@ -241,8 +281,10 @@ def main() -> None:
     if args.tokens:
         tokens = [int(t) for t in args.tokens.split(",")]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    print(f"device: {torch.cuda.get_device_name()} ({sms} SMs), torch {torch.__version__}, out dtype {OUT}, "
-          f"int8 operands {'uniform' if UNIFORM_INT8 else 'quantized Gaussians'}")
+    print(
+        f"device: {torch.cuda.get_device_name()} ({sms} SMs), torch {torch.__version__}, out dtype {OUT}, "
+        f"int8 operands {'uniform' if UNIFORM_INT8 else 'quantized Gaussians'}"
+    )
     copy_gbps = copy_bandwidth_gbps()
     print(f"copy bandwidth (1 GiB device-to-device): {copy_gbps:.0f} GB/s", flush=True)
 
@@ -258,13 +300,24 @@ def main() -> None:
             if args.no_anchors:
                 base = {"linear_bf16": math.nan, "int_mm_dequant": math.nan, "fp8_rowwise": math.nan}
             else:
-                base = {"linear_bf16": time_linear(m, n, k), "int_mm_dequant": time_int_mm(m, n, k),
-                        "fp8_rowwise": time_fp8(m, n, k)}
-            r = {"layer": layer, "M": m, "N": n, "K": k, "config": table.select_config(m, n, k, sms),
-                 "us": us, "TOPs": ops / us * 1e-6, "GBps": moved / us * 1e-3,
-                 "of_copy": moved / us * 1e-3 / copy_gbps if m <= 16 else math.nan,
-                 "overlap_us": ov.get("auto/overlap", math.nan),
-                 "overlap_of_copy": moved / ov["auto/overlap"] * 1e-3 / copy_gbps if ov else math.nan}
+                base = {
+                    "linear_bf16": time_linear(m, n, k),
+                    "int_mm_dequant": time_int_mm(m, n, k),
+                    "fp8_rowwise": time_fp8(m, n, k),
+                }
+            r = {
+                "layer": layer,
+                "M": m,
+                "N": n,
+                "K": k,
+                "config": table.select_config(m, n, k, sms),
+                "us": us,
+                "TOPs": ops / us * 1e-6,
+                "GBps": moved / us * 1e-3,
+                "of_copy": moved / us * 1e-3 / copy_gbps if m <= 16 else math.nan,
+                "overlap_us": ov.get("auto/overlap", math.nan),
+                "overlap_of_copy": moved / ov["auto/overlap"] * 1e-3 / copy_gbps if ov else math.nan,
+            }
             for name, t in base.items():
                 r[f"{name}_us"] = t
                 r[f"{name}_TOPs"] = ops / t * 1e-6
@@ -274,18 +327,37 @@ def main() -> None:
                 times = time_configs(m, n, k, ["auto"] + table.config_names(m))  # auto beside them
                 auto_us = times.pop("auto")
                 best = min(times, key=times.get)
-                sweep.append({"layer": layer, "M": m, "N": n, "K": k, **{f"{c}_us": t for c, t in times.items()},
-                              "best": best, "best_us": times[best], "auto": r["config"],
-                              "auto_over_best": auto_us / times[best]})
-            ov_txt = (f"overlapped {r['overlap_us']:.1f} us ({r['overlap_of_copy']:.2f} of copy)  "
-                      if ov else "")
-            print(f"{layer:16s} M={m:5d}: {us:8.1f} us {r['TOPs']:7.1f} TOP/s {r['GBps']:6.0f} GB/s  " + ov_txt
-                  + "  ".join(f"{k_}={v:.2f}" for k_, v in r.items() if k_.startswith("vs_")), flush=True)
+                sweep.append(
+                    {
+                        "layer": layer,
+                        "M": m,
+                        "N": n,
+                        "K": k,
+                        **{f"{c}_us": t for c, t in times.items()},
+                        "best": best,
+                        "best_us": times[best],
+                        "auto": r["config"],
+                        "auto_over_best": auto_us / times[best],
+                    }
+                )
+            ov_txt = f"overlapped {r['overlap_us']:.1f} us ({r['overlap_of_copy']:.2f} of copy)  " if ov else ""
+            print(
+                f"{layer:16s} M={m:5d}: {us:8.1f} us {r['TOPs']:7.1f} TOP/s {r['GBps']:6.0f} GB/s  "
+                + ov_txt
+                + "  ".join(f"{k_}={v:.2f}" for k_, v in r.items() if k_.startswith("vs_")),
+                flush=True,
+            )
 
     write_csv(rows, os.path.join(args.out, "bench_w8a8_gemm.csv"))
-    line_grid_plot(rows, "layer", "M", ["TOPs", "linear_bf16_TOPs", "int_mm_dequant_TOPs", "fp8_rowwise_TOPs"],
-                   f"w8a8_gemm (bf16 out) vs anchors, {torch.cuda.get_device_name()}", "TOP/s (2MNK / time)",
-                   os.path.join(args.out, "bench_w8a8_gemm.png"))
+    line_grid_plot(
+        rows,
+        "layer",
+        "M",
+        ["TOPs", "linear_bf16_TOPs", "int_mm_dequant_TOPs", "fp8_rowwise_TOPs"],
+        f"w8a8_gemm (bf16 out) vs anchors, {torch.cuda.get_device_name()}",
+        "TOP/s (2MNK / time)",
+        os.path.join(args.out, "bench_w8a8_gemm.png"),
+    )
     if sweep:
         write_csv(sweep, os.path.join(args.out, "bench_w8a8_sweep.csv"))
         print("\n== tile config sweep (us per call)")
@@ -297,15 +369,33 @@ def main() -> None:
                 s[short[c]] = s.get(f"{c}_us", math.nan)
         print_table(sweep, ["layer", "M"] + list(short.values()) + ["best", "auto_over_best"])
         worst = max(sweep, key=lambda s: s["auto_over_best"])
-        print(f"auto is within {100 * (worst['auto_over_best'] - 1):.1f}% of the best config at every shape "
-              f"(worst: {worst['layer']} M={worst['M']}, auto {worst['auto']}, best {worst['best']})")
+        print(
+            f"auto is within {100 * (worst['auto_over_best'] - 1):.1f}% of the best config at every shape "
+            f"(worst: {worst['layer']} M={worst['M']}, auto {worst['auto']}, best {worst['best']})"
+        )
     if args.gemv_shapes:
         run_gemv_shapes(layers, tokens, args.out, copy_gbps)
     if args.epilogues:
         run_epilogues(layers, [m for m in EPILOGUE_TOKENS if not args.quick or m in (16, 4096)], args.out)
     print("\n== w8a8_gemm vs anchors (vs_X = X's time / ours)")
-    print_table(rows, ["layer", "M", "config", "us", "TOPs", "GBps", "of_copy", "overlap_us", "overlap_of_copy",
-                       "linear_bf16_us", "vs_linear_bf16", "vs_int_mm_dequant", "vs_fp8_rowwise"])
+    print_table(
+        rows,
+        [
+            "layer",
+            "M",
+            "config",
+            "us",
+            "TOPs",
+            "GBps",
+            "of_copy",
+            "overlap_us",
+            "overlap_of_copy",
+            "linear_bf16_us",
+            "vs_linear_bf16",
+            "vs_int_mm_dequant",
+            "vs_fp8_rowwise",
+        ],
+    )
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ A thin wrapper of ``python -m qops.llama.eval`` (same arguments; see its --help)
 ``quality_gpu.md/.csv`` (or ``quality_cpu.*``) to ``--out``. On a GPU the default is ~300k tokens
 in windows of 1024; on a CPU 1024 tokens in windows of 256.
 """
+
 from __future__ import annotations
 
 from qops.llama.eval import main

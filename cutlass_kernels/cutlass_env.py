@@ -7,6 +7,7 @@ explicitly: the option registry is built for sm_90 and the nvcc version is given
 Every later call must then pass ``cc=90`` (``Gemm(..., cc=90, kernel_cc=90)``,
 ``epilogue.trace(..., cc=90)``).
 """
+
 from __future__ import annotations
 
 TARGET_CC = 90

@@ -16,6 +16,7 @@ changes, so a rebuild recompiles only the kernels whose source changed. ``--head
 only the table's plain-data headers (``w8a8_gemv_shapes.h``, ``w8a8_select.h``) and does not import
 CUTLASS: the portable kernels in csrc/ include them on builds without the sm_90a kernels too.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -72,29 +73,41 @@ def _emit_kernel(cutlass, cfg: table.TileConfig, out_dtype: str, scale_mode: str
 
     element_d = getattr(DataType, _DTYPES[out_dtype][0])
     plan = cutlass.op.Gemm(
-        element_A=DataType.s8, element_B=DataType.s8, element_C=DataType.void, element_D=element_d,
+        element_A=DataType.s8,
+        element_B=DataType.s8,
+        element_C=DataType.void,
+        element_D=element_d,
         element_accumulator=DataType.s32,
-        layout_A=LayoutType.RowMajor, layout_B=LayoutType.ColumnMajor, layout_C=LayoutType.RowMajor,
-        cc=TARGET_CC, kernel_cc=TARGET_CC)
+        layout_A=LayoutType.RowMajor,
+        layout_B=LayoutType.ColumnMajor,
+        layout_C=LayoutType.RowMajor,
+        cc=TARGET_CC,
+        kernel_cc=TARGET_CC,
+    )
     plan.epilogue_visitor = _trace(cutlass, element_d, scale_mode)
     kernel_schedule, epilogue_schedule = _SCHEDULES[cfg.schedule]
     # For SM90, cutlass_cppgen's threadblock_shape is the cluster's tile: it emits
     # threadblock_shape / cluster_shape as the CTA tile.
-    td = plan.tile_descriptions()[0].clone_and_update({
-        "threadblock_shape": [c * k for c, k in zip(cfg.cta, cfg.cluster)],
-        "cluster_shape": list(cfg.cluster),
-        "stages": None,  # as many as fit beside the epilogue's shared memory
-        "kernel_schedule": getattr(KernelScheduleType, kernel_schedule),
-        "epilogue_schedule": getattr(EpilogueScheduleType, epilogue_schedule),
-        "tile_scheduler": TileSchedulerType.StreamK if cfg.stream_k else TileSchedulerType.Default,
-    })
+    td = plan.tile_descriptions()[0].clone_and_update(
+        {
+            "threadblock_shape": [c * k for c, k in zip(cfg.cta, cfg.cluster)],
+            "cluster_shape": list(cfg.cluster),
+            "stages": None,  # as many as fit beside the epilogue's shared memory
+            "kernel_schedule": getattr(KernelScheduleType, kernel_schedule),
+            "epilogue_schedule": getattr(EpilogueScheduleType, epilogue_schedule),
+            "tile_scheduler": TileSchedulerType.StreamK if cfg.stream_k else TileSchedulerType.Default,
+        }
+    )
     # The C/D alignment follows operand C's: ask for 16 bytes explicitly (8 fp16/bf16 elements).
     operation = plan.construct(td, alignment_A=16, alignment_B=16, alignment_C=8)
     source = operation.rt_module.emit()
     m, n, k = cfg.cta
-    expect = (f"cute::Shape<cute::_{m}, cute::_{n}, cute::_{k}>",
-              "ElementD, StrideD, 8", f"cutlass::gemm::Kernel{kernel_schedule}",
-              "cutlass::gemm::StreamKScheduler" if cfg.stream_k else "")
+    expect = (
+        f"cute::Shape<cute::_{m}, cute::_{n}, cute::_{k}>",
+        "ElementD, StrideD, 8",
+        f"cutlass::gemm::Kernel{kernel_schedule}",
+        "cutlass::gemm::StreamKScheduler" if cfg.stream_k else "",
+    )
     for s in expect:
         if s not in source:
             raise RuntimeError(f"{cfg.name}: emitted kernel lacks `{s}` (cutlass_cppgen changed?)")
@@ -119,8 +132,7 @@ def _evt_arguments(source: str, bias_type: str) -> str:
             nodes[name] = (kind, [])
         elif kind == "Sm90Compute":
             nodes[name] = ("compute", [])
-    pointers = {"AScale": "p.a_scale", "BScale": "p.b_scale",
-                "Bias": f"static_cast<{bias_type} const*>(p.bias)"}
+    pointers = {"AScale": "p.a_scale", "BScale": "p.b_scale", "Bias": f"static_cast<{bias_type} const*>(p.bias)"}
 
     def init(name: str) -> str:
         kind, children = nodes[name]
@@ -133,7 +145,8 @@ def _evt_arguments(source: str, bias_type: str) -> str:
         return "{" + pointers[name] + "}"  # row / column broadcast: {ptr} (nullptr reads zeros)
 
     roots = {n for n, (k, _) in nodes.items() if k == "evt"} - {
-        c for _, (k, ch) in nodes.items() if k == "evt" for c in ch}
+        c for _, (k, ch) in nodes.items() if k == "evt" for c in ch
+    }
     if len(roots) != 1:
         raise RuntimeError(f"cannot find the EVT root in the emitted epilogue: {sorted(roots)}")
     leaves = sorted(n for n, (k, _) in nodes.items() if k in _LEAVES and k != "Sm90AccFetch")
@@ -409,8 +422,7 @@ def generate_headers() -> dict[str, str]:
     """File name -> content of the plain-data headers (no CUTLASS needed)."""
     table.check_table()
     return {
-        "w8a8_select.h": _SELECT_TEMPLATE.format(selection=_selection_code(), tiles=_tiles_code(),
-                                                 **_tuned_code()),
+        "w8a8_select.h": _SELECT_TEMPLATE.format(selection=_selection_code(), tiles=_tiles_code(), **_tuned_code()),
         "w8a8_gemv_shapes.h": _GEMV_SHAPES_TEMPLATE.format(shapes=_gemv_shapes_code()),
     }
 
@@ -423,8 +435,10 @@ def _selection_code() -> str:
         if isinstance(r.pick, str):
             ret = f"return {index[r.pick]};  // {r.pick}"
         else:
-            ret = (f"return fewest_waves({{{', '.join(str(index[c]) for c in r.pick)}}}, m, n, num_sms);"
-                   f"  // {' | '.join(r.pick)}")
+            ret = (
+                f"return fewest_waves({{{', '.join(str(index[c]) for c in r.pick)}}}, m, n, num_sms);"
+                f"  // {' | '.join(r.pick)}"
+            )
         lines.append(f"  if ({' && '.join(conds)}) {ret}" if conds else f"  {ret}")
     return "\n".join(lines)
 
@@ -436,13 +450,19 @@ def _tuned_code() -> dict[str, str]:
         shapes.append(f"    {{{n}, {k}, {len(picks)}, {len(ps)}}},")
         picks += [f"    {{{m}, {index[c]}}},  // {c}" for m, c in ps]
     # C++ arrays cannot be empty: a sentinel that matches no problem
-    return {"tuned_sms": table.TUNED_SMS or 0, "tuned_picks": "\n".join(picks) or "    {0, 0},",
-            "tuned_shapes": "\n".join(shapes) or "    {0, 0, 0, 0},"}
+    return {
+        "tuned_sms": table.TUNED_SMS or 0,
+        "tuned_picks": "\n".join(picks) or "    {0, 0},",
+        "tuned_shapes": "\n".join(shapes) or "    {0, 0, 0, 0},",
+    }
 
 
 def _tiles_code() -> str:
-    return "\n".join(f"    {{{c.cta[0]}, {c.cta[1]}, {c.cluster[0]}, {c.cluster[1]}, "
-                     f"{'true' if c.stream_k else 'false'}, {c.rate!r}}},  // {c.name}" for c in table.CONFIGS)
+    return "\n".join(
+        f"    {{{c.cta[0]}, {c.cta[1]}, {c.cluster[0]}, {c.cluster[1]}, "
+        f"{'true' if c.stream_k else 'false'}, {c.rate!r}}},  // {c.name}"
+        for c in table.CONFIGS
+    )
 
 
 def generate(nvcc_version: str) -> dict[str, str]:
@@ -460,14 +480,20 @@ def generate(nvcc_version: str) -> dict[str, str]:
                 function = f"w8a8_{tag}"
                 kernel, operation = _emit_kernel(cutlass, cfg, out_dtype, scale_mode)
                 files[f"w8a8_{tag}.cu"] = _KERNEL_TEMPLATE.format(
-                    config=cfg.name, out_dtype=out_dtype, scale_mode=scale_mode,
-                    includes=includes, namespace=f"qops_gen_{function}", kernel=kernel.strip("\n"),
-                    operation=operation, function=function,
-                    evt_arguments=_evt_arguments(kernel, _DTYPES[out_dtype][1]))
-                declarations.append(f"cudaError_t {function}(const Problem&, const LaunchOptions&, int, "
-                                    "cudaStream_t, size_t*);")
-                entries.append(f"    {{{ci}, {_DTYPES[out_dtype][2]}, {_MODES[scale_mode]}, "
-                               f"&kernels::{function}}},")
+                    config=cfg.name,
+                    out_dtype=out_dtype,
+                    scale_mode=scale_mode,
+                    includes=includes,
+                    namespace=f"qops_gen_{function}",
+                    kernel=kernel.strip("\n"),
+                    operation=operation,
+                    function=function,
+                    evt_arguments=_evt_arguments(kernel, _DTYPES[out_dtype][1]),
+                )
+                declarations.append(
+                    f"cudaError_t {function}(const Problem&, const LaunchOptions&, int, cudaStream_t, size_t*);"
+                )
+                entries.append(f"    {{{ci}, {_DTYPES[out_dtype][2]}, {_MODES[scale_mode]}, &kernels::{function}}},")
     max_m_cases = []
     for hi, h in enumerate(table.HAND_WRITTEN):  # csrc/ kernels: one launcher for all variants
         ci = len(table.CONFIGS) + hi
@@ -480,7 +506,9 @@ def generate(nvcc_version: str) -> dict[str, str]:
         hand_written_includes="\n".join(sorted({f'#include "{h.header}"' for h in table.HAND_WRITTEN})),
         names="\n".join(f'    "{n}",' for n in table.config_names()),
         max_m_cases="\n".join(max_m_cases),
-        entries="\n".join(entries), num_configs=len(table.config_names()))
+        entries="\n".join(entries),
+        num_configs=len(table.config_names()),
+    )
     return files
 
 
@@ -488,8 +516,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="output folder (in the build tree)")
     p.add_argument("--nvcc-version", default="13.0", help="CUDA version the kernels are built with")
-    p.add_argument("--headers-only", action="store_true",
-                   help="write only the plain-data headers (no CUTLASS import)")
+    p.add_argument("--headers-only", action="store_true", help="write only the plain-data headers (no CUTLASS import)")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     args.out = os.path.abspath(args.out)
@@ -505,8 +532,11 @@ def main() -> None:
         if not unchanged:
             with open(path, "w") as f:
                 f.write(text)
-    stale = [] if args.headers_only else [
-        n for n in os.listdir(args.out) if n.startswith("w8a8_") and n.endswith(".cu") and n not in files]
+    stale = (
+        []
+        if args.headers_only
+        else [n for n in os.listdir(args.out) if n.startswith("w8a8_") and n.endswith(".cu") and n not in files]
+    )
     for name in stale:  # a config removed from the table
         os.remove(os.path.join(args.out, name))
     for name in sorted(files):

@@ -11,6 +11,7 @@ Tile configs are named by the CTA tile (M x N x K), the cluster shape and the ke
 the name is the ``config=`` value that ``qops.w8a8_gemm`` accepts. Hand-written kernels in csrc/
 join the table as ``HAND_WRITTEN`` configs: same Problem, same dispatch, same tuner.
 """
+
 from __future__ import annotations
 
 import json
@@ -38,7 +39,8 @@ class TileConfig:
         return f"{m}x{n}x{k}_c{cm}x{cn}x{ck}_{self.schedule}" + ("_streamk" if self.stream_k else "")
 
 
-# Output dtypes (torch names) and epilogues. "tensor": a_scale [1] and b_scale [1] read as scalars; "token_channel": a_scale [M] broadcast along rows, b_scale [N] along
+# Output dtypes (torch names) and epilogues. "tensor": a_scale [1] and b_scale [1] read as scalars;
+# "token_channel": a_scale [M] broadcast along rows, b_scale [N] along
 # columns. Both add an optional bias [N] (a null pointer reads as zeros).
 OUT_DTYPES = ("float16", "bfloat16")
 SCALE_MODES = ("tensor", "token_channel")
@@ -72,6 +74,7 @@ class HandWritten:
     """A kernel written in csrc/ that the generated dispatch calls like a tile config: `function`
     (declared in `header`) has the generated launchers' signature and serves every output dtype and
     scale mode of problems with m <= `max_m`."""
+
     name: str
     header: str
     function: str
@@ -84,11 +87,13 @@ HAND_WRITTEN: tuple[HandWritten, ...] = (
     HandWritten("gemv", "gemm/w8a8_gemv.h", "qops::w8a8_sm90::gemv", max_m=16),
 )
 
+
 @dataclass(frozen=True)
 class GemvShape:
     """A launch shape of the decode GEMV: rows of N per CTA (8 or 16: one or two row groups),
     warps per CTA (each takes a slice of K) and 64-byte K chunks per load batch. Each is a kernel
     instantiation per (M <= 8 or not) x output dtype x early batches (csrc/gemm/w8a8_gemv.cu)."""
+
     rows: int
     warps: int
     chunks: int
@@ -99,7 +104,11 @@ class GemvShape:
 # gemv_shape in w8a8_gemv.cu picks among the first five by problem size (docs/w8a8_gemm.md);
 # (16, 8, 4) is taken only at M > 8 under overlap_prologue, where its early batch fits.
 GEMV_SHAPES: tuple[GemvShape, ...] = (
-    GemvShape(8, 4, 4), GemvShape(8, 8, 4), GemvShape(16, 8, 2), GemvShape(8, 4, 8), GemvShape(8, 8, 8),
+    GemvShape(8, 4, 4),
+    GemvShape(8, 8, 4),
+    GemvShape(16, 8, 2),
+    GemvShape(8, 4, 8),
+    GemvShape(8, 8, 8),
     GemvShape(16, 8, 4),
 )
 
@@ -113,6 +122,7 @@ def gemv_launch_shapes() -> list[tuple[int, int, int]]:
 class Rule:
     """Problems with m <= max_m, n <= max_n and k <= max_k (None: no bound) run `pick`: one config
     name, or a tuple of names to choose from by wave quantization (select_config)."""
+
     pick: str | tuple[str, ...]
     max_m: int | None = None
     max_n: int | None = None
@@ -142,8 +152,7 @@ SELECTION: tuple[Rule, ...] = (
     Rule("128x64x128_c1x2x1_cooperative", max_m=768, max_n=2048),
     Rule("128x128x128_c1x1x1_cooperative_streamk", max_n=2048),
     Rule("128x128x128_c2x1x1_pingpong", max_k=2048),
-    Rule(("128x256x128_c2x1x1_cooperative", "128x128x128_c2x1x1_pingpong",
-          "128x128x128_c1x1x1_cooperative_streamk")),
+    Rule(("128x256x128_c2x1x1_cooperative", "128x128x128_c2x1x1_pingpong", "128x128x128_c1x1x1_cooperative_streamk")),
 )
 
 DEFAULT_SMS = 132  # H100 SXM
@@ -189,12 +198,20 @@ def _by_name() -> dict[str, TileConfig]:
     return {c.name: c for c in CONFIGS}
 
 
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _round_up(a: int, b: int) -> int:
+    return _ceil_div(a, b) * b
+
+
 def wave_cost(cfg: TileConfig, m: int, n: int, num_sms: int) -> float:
     """Relative time of a compute-bound problem on `cfg`: the tiles of the busiest SM (tiles, in
     whole clusters, are dealt round-robin to the SMs; stream-K shares them out evenly), each of
     cta_m x cta_n outputs at the config's rate."""
-    tiles_m = -(-(-(-m // cfg.cta[0])) // cfg.cluster[0]) * cfg.cluster[0]
-    tiles_n = -(-(-(-n // cfg.cta[1])) // cfg.cluster[1]) * cfg.cluster[1]
+    tiles_m = _round_up(_ceil_div(m, cfg.cta[0]), cfg.cluster[0])
+    tiles_n = _round_up(_ceil_div(n, cfg.cta[1]), cfg.cluster[1])
     tiles = tiles_m * tiles_n
     rounds = tiles / num_sms if cfg.stream_k else -(-tiles // num_sms)
     return rounds * cfg.cta[0] * cfg.cta[1] / cfg.rate
@@ -224,8 +241,9 @@ def check_table() -> None:
             assert name in names, f"SELECTION names an unknown config {name}"
             limit = config_max_m(name)
             assert isinstance(r.pick, str) or limit is None, f"{name} cannot be a wave-quantization candidate"
-            assert limit is None or (r.max_m is not None and r.max_m <= limit), \
+            assert limit is None or (r.max_m is not None and r.max_m <= limit), (
                 f"a rule picks {name} for M beyond its max_m = {limit}"
+            )
     for (n, k), picks in TUNED.items():
         for max_m, name in picks:
             assert name in names, f"{TUNED_PATH}: N={n} K={k} names an unknown config {name}"

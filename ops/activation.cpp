@@ -32,28 +32,28 @@ std::tuple<at::Tensor, at::Tensor> silu_and_mul_quant_cuda(const at::Tensor& inp
   std::vector<int64_t> out_shape(input.sizes().begin(), input.sizes().end());
   out_shape.back() = I;
   auto out = at::empty(out_shape, input.options().dtype(at::kChar));
-  auto scales = scale ? at::empty({1}, input.options().dtype(at::kFloat))
-                      : at::empty(input.sizes().slice(0, input.dim() - 1),
-                                  input.options().dtype(at::kFloat));
+  auto scales =
+      scale ? at::empty({1}, input.options().dtype(at::kFloat))
+            : at::empty(input.sizes().slice(0, input.dim() - 1), input.options().dtype(at::kFloat));
   const float* s_in = scale ? scale->data_ptr<float>() : nullptr;
   cudaError_t err;
   if (input.scalar_type() == at::kHalf) {
-    err = qops::silu_and_mul_quant<__half>(
-        static_cast<const __half*>(input.data_ptr()), stride, out.data_ptr<int8_t>(),
-        scales.data_ptr<float>(), s_in, rows, I, c10::cuda::getCurrentCUDAStream(),
-        tuning);
+    err = qops::silu_and_mul_quant<__half>(static_cast<const __half*>(input.data_ptr()), stride,
+                                           out.data_ptr<int8_t>(), scales.data_ptr<float>(), s_in,
+                                           rows, I, c10::cuda::getCurrentCUDAStream(), tuning);
   } else {
     err = qops::silu_and_mul_quant<__nv_bfloat16>(
         static_cast<const __nv_bfloat16*>(input.data_ptr()), stride, out.data_ptr<int8_t>(),
-        scales.data_ptr<float>(), s_in, rows, I, c10::cuda::getCurrentCUDAStream(),
-        tuning);
+        scales.data_ptr<float>(), s_in, rows, I, c10::cuda::getCurrentCUDAStream(), tuning);
   }
-  QOPS_CHECK_VALUE(err != cudaErrorInvalidValue, op, "unsupported size: I = ", I,
-                   " (rows ", rows, ", row stride ", stride, ")");
+  QOPS_CHECK_VALUE(err != cudaErrorInvalidValue, op, "unsupported size: I = ", I, " (rows ", rows,
+                   ", row stride ", stride, ")");
   check_launch(err, op);
   return {out, scales};
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(qops, CUDA, m) { m.impl("silu_and_mul_quant", &silu_and_mul_quant_cuda); }
+TORCH_LIBRARY_IMPL(qops, CUDA, m) {
+  m.impl("silu_and_mul_quant", &silu_and_mul_quant_cuda);
+}

@@ -11,8 +11,8 @@
 
 namespace qops_glue {
 // Defined in ops/kv_cache.cpp: checks one layer's cache tensors; true for static scales.
-bool check_kv_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k_scales,
-                    const at::Tensor& v_scales, const char* op);
+bool check_kv_cache(const at::Tensor& k_cache, const at::Tensor& v_cache,
+                    const at::Tensor& k_scales, const at::Tensor& v_scales, const char* op);
 }  // namespace qops_glue
 
 namespace {
@@ -89,8 +89,8 @@ Merge parse_merge(c10::string_view merge, const char* op) {
   if (merge == "auto") return Merge::kAuto;
   if (merge == "cluster") return Merge::kCluster;
   if (merge == "fused") return Merge::kFused;
-  QOPS_CHECK_VALUE(merge == "separate", op,
-                   "merge must be auto, cluster, fused or separate, got '", std::string(merge), "'");
+  QOPS_CHECK_VALUE(merge == "separate", op, "merge must be auto, cluster, fused or separate, got '",
+                   std::string(merge), "'");
   return Merge::kSeparate;
 }
 
@@ -100,15 +100,12 @@ bool fused_merge(Merge merge, int head_dim, int max_context) {
   return false;
 }
 
-at::Tensor paged_decode_attention_int8_cuda(const at::Tensor& query, const at::Tensor& k_cache,
-                                            const at::Tensor& v_cache, const at::Tensor& k_scales,
-                                            const at::Tensor& v_scales,
-                                            const at::Tensor& block_tables,
-                                            const at::Tensor& seq_lens, double sm_scale,
-                                            const std::optional<at::Tensor>& alibi_slopes,
-                                            int64_t num_splits, bool overlap_prologue,
-                                            bool enable_pdl, c10::string_view merge_name,
-                                            int64_t warps) {
+at::Tensor paged_decode_attention_int8_cuda(
+    const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const at::Tensor& k_scales, const at::Tensor& v_scales, const at::Tensor& block_tables,
+    const at::Tensor& seq_lens, double sm_scale, const std::optional<at::Tensor>& alibi_slopes,
+    int64_t num_splits, bool overlap_prologue, bool enable_pdl, c10::string_view merge_name,
+    int64_t warps) {
   constexpr const char* op = "paged_decode_attention_int8";
   const Merge merge = parse_merge(merge_name, op);
   QOPS_CHECK_VALUE(warps == 0 || warps == 4 || warps == 8, op,
@@ -121,16 +118,16 @@ at::Tensor paged_decode_attention_int8_cuda(const at::Tensor& query, const at::T
   check_same_device(query, k_cache, op, "query");
   const int64_t B = query.size(0), HQ = query.size(1), D = query.size(2);
   const int64_t HKV = k_cache.size(1);
-  QOPS_CHECK_VALUE(D == k_cache.size(3), op, "query's D = ", D, " must match k_cache's D = ",
-                   k_cache.size(3));
+  QOPS_CHECK_VALUE(D == k_cache.size(3), op, "query's D = ", D,
+                   " must match k_cache's D = ", k_cache.size(3));
   QOPS_CHECK_VALUE(D == 64 || D == 128, op, "head dim D must be one of (64, 128), got ", D);
   QOPS_CHECK_VALUE(HQ > 0 && HQ % HKV == 0, op, "the number of query heads (", HQ,
                    ") must be a multiple of the number of kv heads (", HKV, ")");
   check_dtype(block_tables, at::kInt, op, "block_tables");
-  QOPS_CHECK_VALUE(block_tables.dim() == 2 && block_tables.size(0) == B &&
-                       block_tables.size(1) >= 1,
-                   op, "block_tables must be int32 [B, max_blocks] with B = ", B,
-                   ", max_blocks >= 1, got shape ", block_tables.sizes());
+  QOPS_CHECK_VALUE(
+      block_tables.dim() == 2 && block_tables.size(0) == B && block_tables.size(1) >= 1, op,
+      "block_tables must be int32 [B, max_blocks] with B = ", B, ", max_blocks >= 1, got shape ",
+      block_tables.sizes());
   QOPS_CHECK_VALUE(block_tables.stride(1) == 1, op,
                    "block_tables' last dimension must be contiguous (stride 1)");
   check_same_device(block_tables, k_cache, op, "block_tables");
@@ -223,10 +220,10 @@ at::Tensor paged_decode_attention_int8_cuda(const at::Tensor& query, const at::T
   }
   at::Tensor workspace;
   p.cluster_merge = fits && cluster_enabled;
-  const int64_t ws = p.cluster_merge ? 0
-                                     : qops::attention::paged_decode_int8_workspace_floats(
-                                           static_cast<int>(B), static_cast<int>(HQ),
-                                           static_cast<int>(D), splits);
+  const int64_t ws =
+      p.cluster_merge ? 0
+                      : qops::attention::paged_decode_int8_workspace_floats(
+                            static_cast<int>(B), static_cast<int>(HQ), static_cast<int>(D), splits);
   // The fused merge's counters: the shared zeroed buffer, or (see shared_split_counters) zeroed
   // int32s after the workspace's floats.
   int32_t* counters = nullptr;

@@ -8,8 +8,8 @@ namespace qops_glue {
 
 // Checks one layer's paged cache tensors (docs/ops.md "Paged int8 KV cache") on `op`'s behalf;
 // returns true for static (per-tensor) scales, false for dynamic per-(token, head) scales.
-bool check_kv_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k_scales,
-                    const at::Tensor& v_scales, const char* op) {
+bool check_kv_cache(const at::Tensor& k_cache, const at::Tensor& v_cache,
+                    const at::Tensor& k_scales, const at::Tensor& v_scales, const char* op) {
   check_cuda(k_cache, op, "k_cache");
   check_dtype(k_cache, at::kChar, op, "k_cache");
   check_dtype(v_cache, at::kChar, op, "v_cache");
@@ -37,11 +37,10 @@ bool check_kv_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, const 
     const bool dyn = s.dim() == 3 && s.size(0) == k_cache.size(0) && s.size(1) == k_cache.size(1) &&
                      s.size(2) == bs;
     const bool stat = s.dim() == 1 && s.size(0) == 1;
-    QOPS_CHECK_VALUE(dyn || stat, op, names[i],
-                     " must be float32 [num_blocks, H_kv, block_size] = [", k_cache.size(0), ", ",
-                     k_cache.size(1), ", ", bs,
-                     "] (dynamic per-token scales) or [1] (a static per-tensor scale), got shape ",
-                     s.sizes());
+    QOPS_CHECK_VALUE(
+        dyn || stat, op, names[i], " must be float32 [num_blocks, H_kv, block_size] = [",
+        k_cache.size(0), ", ", k_cache.size(1), ", ", bs,
+        "] (dynamic per-token scales) or [1] (a static per-tensor scale), got shape ", s.sizes());
     check_contiguous(s, op, names[i]);
     is_static[i] = stat;
   }
@@ -116,4 +115,6 @@ void reshape_and_cache_int8_cuda(const at::Tensor& key, const at::Tensor& value,
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(qops, CUDA, m) { m.impl("reshape_and_cache_int8", &reshape_and_cache_int8_cuda); }
+TORCH_LIBRARY_IMPL(qops, CUDA, m) {
+  m.impl("reshape_and_cache_int8", &reshape_and_cache_int8_cuda);
+}

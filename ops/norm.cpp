@@ -53,17 +53,16 @@ std::tuple<at::Tensor, at::Tensor> run(const char* op, const at::Tensor& input,
                    "residual rows must not overlap (it is written in place), got strides ",
                    residual->strides());
   auto out = at::empty(input.sizes(), input.options().dtype(at::kChar));
-  auto scales = scale ? at::empty({1}, input.options().dtype(at::kFloat))
-                      : at::empty(input.sizes().slice(0, input.dim() - 1),
-                                  input.options().dtype(at::kFloat));
-  check_launch(
-      qops::rms_norm_quant<T>(
-          static_cast<const T*>(input.data_ptr()), in_stride,
-          residual ? static_cast<T*>(residual->data_ptr()) : nullptr, res_stride,
-          static_cast<const T*>(weight.data_ptr()), out.data_ptr<int8_t>(),
-          scales.data_ptr<float>(), scale ? scale->data_ptr<float>() : nullptr, rows, H,
-          static_cast<float>(epsilon), c10::cuda::getCurrentCUDAStream(), tuning),
-      op);
+  auto scales =
+      scale ? at::empty({1}, input.options().dtype(at::kFloat))
+            : at::empty(input.sizes().slice(0, input.dim() - 1), input.options().dtype(at::kFloat));
+  check_launch(qops::rms_norm_quant<T>(
+                   static_cast<const T*>(input.data_ptr()), in_stride,
+                   residual ? static_cast<T*>(residual->data_ptr()) : nullptr, res_stride,
+                   static_cast<const T*>(weight.data_ptr()), out.data_ptr<int8_t>(),
+                   scales.data_ptr<float>(), scale ? scale->data_ptr<float>() : nullptr, rows, H,
+                   static_cast<float>(epsilon), c10::cuda::getCurrentCUDAStream(), tuning),
+               op);
   return {out, scales};
 }
 
@@ -80,8 +79,10 @@ std::tuple<at::Tensor, at::Tensor> norm_common(const char* op, const at::Tensor&
   check_same_device(weight, input, op, "weight");
   check_dtype(weight, input.scalar_type(), op, "weight");
   QOPS_CHECK_VALUE(weight.dim() == 1 && weight.size(0) == H && weight.stride(0) == 1, op,
-                   "weight must have shape [", H, "] (the input's last dimension) and be "
-                   "contiguous, got shape ", weight.sizes());
+                   "weight must have shape [", H,
+                   "] (the input's last dimension) and be "
+                   "contiguous, got shape ",
+                   weight.sizes());
   QOPS_CHECK_VALUE(epsilon >= 0.0, op, "epsilon must be >= 0, got ", epsilon);
   if (residual) {
     check_same_device(*residual, input, op, "residual");
@@ -103,10 +104,12 @@ std::tuple<at::Tensor, at::Tensor> norm_common(const char* op, const at::Tensor&
   return run<__nv_bfloat16>(op, input, residual, weight, epsilon, scale, tuning);
 }
 
-std::tuple<at::Tensor, at::Tensor> rms_norm_quant_cuda(
-    const at::Tensor& input, const at::Tensor& weight, double epsilon,
-    const std::optional<at::Tensor>& scale, bool enable_pdl, c10::string_view variant,
-    int64_t pipe_stages, int64_t threads_per_row, int64_t cluster) {
+std::tuple<at::Tensor, at::Tensor> rms_norm_quant_cuda(const at::Tensor& input,
+                                                       const at::Tensor& weight, double epsilon,
+                                                       const std::optional<at::Tensor>& scale,
+                                                       bool enable_pdl, c10::string_view variant,
+                                                       int64_t pipe_stages, int64_t threads_per_row,
+                                                       int64_t cluster) {
   return norm_common("rms_norm_quant", input, nullptr, weight, epsilon, scale,
                      {enable_pdl, variant, pipe_stages, threads_per_row, cluster});
 }

@@ -13,9 +13,15 @@ using namespace qops_glue;
 template <typename F>
 void dispatch_float(const at::Tensor& t, const char* op, F&& f) {
   switch (t.scalar_type()) {
-    case at::kFloat: f(static_cast<const float*>(nullptr)); break;
-    case at::kHalf: f(static_cast<const __half*>(nullptr)); break;
-    case at::kBFloat16: f(static_cast<const __nv_bfloat16*>(nullptr)); break;
+    case at::kFloat:
+      f(static_cast<const float*>(nullptr));
+      break;
+    case at::kHalf:
+      f(static_cast<const __half*>(nullptr));
+      break;
+    case at::kBFloat16:
+      f(static_cast<const __nv_bfloat16*>(nullptr));
+      break;
     default:
       QOPS_CHECK_TYPE(false, op, "input must be float16, bfloat16 or float32, got ",
                       t.scalar_type());
@@ -28,8 +34,8 @@ std::tuple<at::Tensor, at::Tensor> quant_per_token_cuda(const at::Tensor& input,
   const int64_t stride = row_stride(input, op, "input");
   const c10::cuda::CUDAGuard guard(input.device());
   auto out = at::empty(input.sizes(), input.options().dtype(at::kChar));
-  auto scales = at::empty(input.sizes().slice(0, input.dim() - 1),
-                          input.options().dtype(at::kFloat));
+  auto scales =
+      at::empty(input.sizes().slice(0, input.dim() - 1), input.options().dtype(at::kFloat));
   const int64_t cols = input.size(-1);
   const int64_t rows = cols == 0 ? 0 : input.numel() / cols;
   dispatch_float(input, op, [&](auto tag) {

@@ -13,45 +13,55 @@ TORCH_LIBRARY(qops, m) {
 
   // ---- RMSNorm (+ residual add) + int8 quant ----------------------------------------------
   // Keyword-only launch options (qops.NormTuning; 0 / "auto" = the kernel's own choice).
-  m.def("rms_norm_quant(Tensor input, Tensor weight, float epsilon, Tensor? scale=None, *,"
-        " bool enable_pdl=True, str variant=\"auto\", int pipe_stages=0,"
-        " int threads_per_row=0, int cluster=0) -> (Tensor, Tensor)");
-  m.def("fused_add_rms_norm_quant(Tensor input, Tensor(a!) residual, Tensor weight,"
-        " float epsilon, Tensor? scale=None, *, bool enable_pdl=True, str variant=\"auto\","
-        " int pipe_stages=0, int threads_per_row=0, int cluster=0) -> (Tensor, Tensor)");
+  m.def(
+      "rms_norm_quant(Tensor input, Tensor weight, float epsilon, Tensor? scale=None, *,"
+      " bool enable_pdl=True, str variant=\"auto\", int pipe_stages=0,"
+      " int threads_per_row=0, int cluster=0) -> (Tensor, Tensor)");
+  m.def(
+      "fused_add_rms_norm_quant(Tensor input, Tensor(a!) residual, Tensor weight,"
+      " float epsilon, Tensor? scale=None, *, bool enable_pdl=True, str variant=\"auto\","
+      " int pipe_stages=0, int threads_per_row=0, int cluster=0) -> (Tensor, Tensor)");
 
   // ---- SiLU-and-mul + int8 quant ----------------------------------------------------------
-  m.def("silu_and_mul_quant(Tensor input, Tensor? scale=None, *, bool enable_pdl=True,"
-        " int threads_per_row=0, int cluster=0) -> (Tensor, Tensor)");
+  m.def(
+      "silu_and_mul_quant(Tensor input, Tensor? scale=None, *, bool enable_pdl=True,"
+      " int threads_per_row=0, int cluster=0) -> (Tensor, Tensor)");
 
   // ---- int8 x int8 GEMM with dequantizing epilogue ----------------------------------------
   // gemv_shape / gemv_early: the decode GEMV's launch (qops.GemvTuning; [] / -1 = its choice).
-  m.def("w8a8_gemm(Tensor a, Tensor b, Tensor a_scale, Tensor b_scale, ScalarType out_dtype,"
-        " Tensor? bias=None, *, str config=\"auto\", bool overlap_prologue=False,"
-        " bool enable_pdl=True, int[] gemv_shape=[], int gemv_early=-1) -> Tensor");
+  m.def(
+      "w8a8_gemm(Tensor a, Tensor b, Tensor a_scale, Tensor b_scale, ScalarType out_dtype,"
+      " Tensor? bias=None, *, str config=\"auto\", bool overlap_prologue=False,"
+      " bool enable_pdl=True, int[] gemv_shape=[], int gemv_early=-1) -> Tensor");
 
   // ---- int4-weight x fp16/bf16-activation GEMM (Hopper mixed-input) -----------------------
   m.def("w4a16_prepack(Tensor weight) -> Tensor");
-  m.def("w4a16_gemm(Tensor a, Tensor weight_packed, Tensor scales, Tensor? zeros,"
-        " int group_size) -> Tensor");
+  m.def(
+      "w4a16_gemm(Tensor a, Tensor weight_packed, Tensor scales, Tensor? zeros,"
+      " int group_size) -> Tensor");
 
   // ---- paged int8 KV cache ----------------------------------------------------------------
-  m.def("reshape_and_cache_int8(Tensor key, Tensor value, Tensor(a!) k_cache,"
-        " Tensor(b!) v_cache, Tensor(c!) k_scales, Tensor(d!) v_scales,"
-        " Tensor slot_mapping, *, bool enable_pdl=True) -> ()");
-  m.def("paged_decode_attention_int8(Tensor query, Tensor k_cache, Tensor v_cache,"
-        " Tensor k_scales, Tensor v_scales, Tensor block_tables, Tensor seq_lens,"
-        " float sm_scale, Tensor? alibi_slopes=None, int num_splits=0,"
-        " bool overlap_prologue=False, *, bool enable_pdl=True, str merge=\"auto\","
-        " int warps=0) -> Tensor");
+  m.def(
+      "reshape_and_cache_int8(Tensor key, Tensor value, Tensor(a!) k_cache,"
+      " Tensor(b!) v_cache, Tensor(c!) k_scales, Tensor(d!) v_scales,"
+      " Tensor slot_mapping, *, bool enable_pdl=True) -> ()");
+  m.def(
+      "paged_decode_attention_int8(Tensor query, Tensor k_cache, Tensor v_cache,"
+      " Tensor k_scales, Tensor v_scales, Tensor block_tables, Tensor seq_lens,"
+      " float sm_scale, Tensor? alibi_slopes=None, int num_splits=0,"
+      " bool overlap_prologue=False, *, bool enable_pdl=True, str merge=\"auto\","
+      " int warps=0) -> Tensor");
 
   // ---- int4 KV cache (seed 002 row layout) and the split-K GQA decode ---------------------
   m.def("quantize_kv_int4(Tensor kv, int num_groups) -> Tensor");
-  m.def("int4_gqa_decode(Tensor query, Tensor k, Tensor v, Tensor seq_lens, float sm_scale,"
-        " int num_groups, int num_splits=0) -> Tensor");
+  m.def(
+      "int4_gqa_decode(Tensor query, Tensor k, Tensor v, Tensor seq_lens, float sm_scale,"
+      " int num_groups, int num_splits=0) -> Tensor");
 }
 
 // `import qops._C` loads this library (and with it the registrations above).
 static PyModuleDef qops_c_module = {PyModuleDef_HEAD_INIT, "_C", "qops operator library", -1,
                                     nullptr};
-PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&qops_c_module); }
+PyMODINIT_FUNC PyInit__C(void) {
+  return PyModule_Create(&qops_c_module);
+}

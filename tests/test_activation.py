@@ -3,6 +3,7 @@
 The float64 reference at the top is independent of qops' own reference (python/qops/activation.py);
 the CPU op (= qops' reference) is checked against it, and the CUDA kernel against qops' reference.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -96,8 +97,11 @@ def test_tuning_errors():
     x = torch.randn(4, 64, dtype=torch.float16)
     with pytest.raises(ValueError, match=r"qops.silu_and_mul_quant: threads_per_row must be in \[0, 1024\]"):
         qops.silu_and_mul_quant(x, tuning=qops.FusedQuantTuning(threads_per_row=1025))
-    with pytest.raises(ValueError, match=r"qops.silu_and_mul_quant: cluster must be 0 \(the kernel's choice\), "
-                                         r"1, 2, 4 or 8, got 16"):
+    with pytest.raises(
+        ValueError,
+        match=r"qops.silu_and_mul_quant: cluster must be 0 \(the kernel's choice\), "
+        r"1, 2, 4 or 8, got 16",
+    ):
         qops.silu_and_mul_quant(x, tuning=qops.FusedQuantTuning(cluster=16))
     q, s = qops.silu_and_mul_quant(x, tuning=qops.FusedQuantTuning(threads_per_row=128, cluster=2))
     q0, s0 = qops.silu_and_mul_quant(x)
@@ -115,8 +119,18 @@ def poison_allocator(nbytes):
     del t
 
 
-ACT_SIZES = [(1, 8), (3, 37), (17, 1536), (1025, 1536), (5, 11008), (16, 14336), (3, 28672),
-             (4097, 2048), (64, 4100), (2, 13)]
+ACT_SIZES = [
+    (1, 8),
+    (3, 37),
+    (17, 1536),
+    (1025, 1536),
+    (5, 11008),
+    (16, 14336),
+    (3, 28672),
+    (4097, 2048),
+    (64, 4100),
+    (2, 13),
+]
 
 
 @gpu
@@ -186,8 +200,8 @@ def test_cuda_zero_rows_saturation_nonfinite(dtype):
     T, I = 8, 14336
     x = make(T, I, dtype, "cuda")
     x[2] = 0
-    x[3, 10] = float("nan")            # gate NaN: that output is NaN -> 0, ignored by amax
-    x[4, I + 11] = float("inf")        # up Inf: that output is +-Inf -> the row's scale is Inf
+    x[3, 10] = float("nan")  # gate NaN: that output is NaN -> 0, ignored by amax
+    x[4, I + 11] = float("inf")  # up Inf: that output is +-Inf -> the row's scale is Inf
     poison_allocator(2 * T * I)
     q, s = qops.silu_and_mul_quant(x)
     q_ref, s_ref = _silu_and_mul_quant_ref(x)

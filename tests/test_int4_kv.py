@@ -1,5 +1,6 @@
 """quantize_kv_int4 / int4_gqa_decode and dequantize_kv_int4: the seed-002 int4 KV rows
 (docs/ops.md "int4 KV rows", docs/int4.md)."""
+
 from __future__ import annotations
 
 import struct
@@ -22,7 +23,7 @@ def ref_quantize_row(x: list[float], num_groups: int) -> bytes:
     gs = d // num_groups
     header, q = b"", []
     for g in range(num_groups):
-        xs = [np.float32(v) for v in x[g * gs:(g + 1) * gs]]
+        xs = [np.float32(v) for v in x[g * gs : (g + 1) * gs]]
         lo, hi = min(xs), max(xs)
         shift = np.float16(lo)
         scale = np.float16((hi - lo) / np.float32(15))
@@ -62,7 +63,7 @@ def ref_dequantize(rows: torch.Tensor, num_groups: int, d: int) -> torch.Tensor:
     r = rows.reshape(-1, rows.shape[-1]).numpy()
     hdr = np.frombuffer(np.ascontiguousarray(r[:, : 4 * num_groups]).tobytes(), dtype="<f2")
     hdr = hdr.astype(np.float64).reshape(-1, num_groups, 2)
-    data = r[:, 4 * num_groups:].astype(np.int64)
+    data = r[:, 4 * num_groups :].astype(np.int64)
     q = np.empty((r.shape[0], d), dtype=np.float64)
     q[:, 0::2], q[:, 1::2] = data % 16, data // 16
     x = q.reshape(-1, num_groups, d // num_groups) * hdr[..., :1] + hdr[..., 1:]
@@ -116,15 +117,15 @@ def test_reference_row_loops_agree():
 @pytest.mark.parametrize("d", [64, 128])
 def test_quantize_bytes_match_reference(d, g, dtype):
     kv = rand_kv((3, 2, d), dtype, seed=d + g)
-    kv[0, 0, : d // 4] = 0.75          # a constant group (the whole row when g = 1 is not constant)
-    kv[1, 1] = -2.0                    # a constant row: scale 0, q = 0
+    kv[0, 0, : d // 4] = 0.75  # a constant group (the whole row when g = 1 is not constant)
+    kv[1, 1] = -2.0  # a constant row: scale 0, q = 0
     rows = qops.quantize_kv_int4(kv, g)
     assert rows.dtype == torch.uint8 and rows.shape == (3, 2, kv_int4_row_bytes(d, g))
     assert rows.is_contiguous()
     assert torch.equal(rows, ref_quantize(kv, g))
     # the constant row: every scale is 0, every shift is -2, all data nibbles are 0
     hdr = rows[1, 1, : 4 * g].view(torch.float16).reshape(g, 2)
-    assert (hdr[:, 0] == 0).all() and (hdr[:, 1] == -2).all() and (rows[1, 1, 4 * g:] == 0).all()
+    assert (hdr[:, 0] == 0).all() and (hdr[:, 1] == -2).all() and (rows[1, 1, 4 * g :] == 0).all()
 
 
 def test_quantize_byte_layout_by_hand():
@@ -143,7 +144,7 @@ def test_quantize_scale_underflow_stores_zero(dtype):
     # Range 2^-24 (the smallest fp16 subnormal): (max - min) / 15 rounds to an fp16 scale of 0, so
     # every q is 0 (not (x - shift) / 0 = inf -> 15) and the group dequantizes to its shift.
     x = torch.zeros(64, dtype=dtype)
-    x[1::2] = 2.0 ** -24
+    x[1::2] = 2.0**-24
     row = qops.quantize_kv_int4(x, 1)
     assert struct.unpack("<ee", bytes(row[:4].tolist())) == (0.0, 0.0)
     assert (row[4:] == 0).all()
@@ -192,8 +193,12 @@ def test_quantize_leading_shapes_and_strides():
     "kv,g,exc,pattern",
     [
         (torch.randn(2, 128), 1, TypeError, r"kv must be float16 or bfloat16, got float32"),
-        (torch.randn(2, 96, dtype=torch.float16), 1,
-         ValueError, r"kv's last dimension \(the head dim D\) must be 64 or 128, got 96"),
+        (
+            torch.randn(2, 96, dtype=torch.float16),
+            1,
+            ValueError,
+            r"kv's last dimension \(the head dim D\) must be 64 or 128, got 96",
+        ),
         (torch.randn(2, 128, dtype=torch.float16), 2, ValueError, r"num_groups must be 1 or 4, got 2"),
         (torch.randn(128, 2, dtype=torch.float16).T, 1, ValueError, r"kv's last dimension must be contiguous"),
     ],
@@ -231,7 +236,7 @@ def make_decode(b, t_max, h_kv, ratio, d, g, dtype, seq_lens, seed=0):
 def test_decode_matches_float64(d, g, ratio, dtype):
     seq_lens = [19, 0, 1, 13]  # full, empty, one token, partial
     query, k, v, lens = make_decode(4, 19, 2, ratio, d, g, dtype, seq_lens, seed=d + g + ratio)
-    sm_scale = d ** -0.5
+    sm_scale = d**-0.5
     out = qops.int4_gqa_decode(query, k, v, lens, sm_scale, g)
     assert out.shape == query.shape and out.dtype == dtype
     assert (out[1] == 0).all()  # seq_len 0 gives zeros
@@ -290,18 +295,27 @@ _K68 = torch.zeros(2, 8, 2, 68, dtype=torch.uint8)
     [
         (dict(query=torch.randn(2, 6, 128)), TypeError, r"query must be float16 or bfloat16, got float32"),
         (dict(query=torch.randn(6, 128, dtype=torch.float16)), ValueError, r"query must be 3-D"),
-        (dict(query=torch.randn(2, 6, 96, dtype=torch.float16)),
-         ValueError, r"query's last dimension \(the head dim D\) must be 64 or 128, got 96"),
+        (
+            dict(query=torch.randn(2, 6, 96, dtype=torch.float16)),
+            ValueError,
+            r"query's last dimension \(the head dim D\) must be 64 or 128, got 96",
+        ),
         (dict(num_groups=2), ValueError, r"num_groups must be 1 or 4, got 2"),
         (dict(k=_K80.to(torch.int8)), TypeError, r"k must be uint8"),
         (dict(v=_K80.float()), TypeError, r"v must be uint8"),
-        (dict(k=_K68, v=_K68),
-         ValueError, r"k must be \[B, T_max, H_kv, 4 \* num_groups \+ D / 2\] = \[2, T_max, H_kv, 80\]"),
+        (
+            dict(k=_K68, v=_K68),
+            ValueError,
+            r"k must be \[B, T_max, H_kv, 4 \* num_groups \+ D / 2\] = \[2, T_max, H_kv, 80\]",
+        ),
         (dict(k=_K80[:, :, :, None]), ValueError, r"k must be \[B, T_max, H_kv"),
         (dict(k=torch.zeros(3, 8, 2, 80, dtype=torch.uint8)), ValueError, r"k must be \[B, T_max, H_kv"),
         (dict(v=torch.zeros(2, 9, 2, 80, dtype=torch.uint8)), ValueError, r"v must have k's shape"),
-        (dict(k=torch.zeros(2, 8, 4, 80, dtype=torch.uint8), v=torch.zeros(2, 8, 4, 80, dtype=torch.uint8)),
-         ValueError, r"HQ \(query.shape\[1\] = 6\) must be a multiple of H_kv \(k.shape\[2\] = 4\)"),
+        (
+            dict(k=torch.zeros(2, 8, 4, 80, dtype=torch.uint8), v=torch.zeros(2, 8, 4, 80, dtype=torch.uint8)),
+            ValueError,
+            r"HQ \(query.shape\[1\] = 6\) must be a multiple of H_kv \(k.shape\[2\] = 4\)",
+        ),
         (dict(seq_lens=torch.tensor([8, 3])), TypeError, r"seq_lens must be int32, got int64"),
         (dict(seq_lens=torch.tensor([8], dtype=torch.int32)), ValueError, r"seq_lens must be \[B\] = \[2\]"),
         (dict(seq_lens=torch.tensor([9, 3], dtype=torch.int32)), ValueError, r"seq_lens must lie in \[0, T_max = 8\]"),

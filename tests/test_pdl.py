@@ -7,6 +7,7 @@ These tests chain the kernels the way a decode layer does -- each reading what t
 wrote, some in place -- and require bit-identical results with PDL on and off (enable_pdl=),
 eagerly and replayed from a CUDA graph. The per-op files test PDL chains of one op with itself.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -39,16 +40,14 @@ def _mlp_chain(x, r, n1, n2, gate_up, down, overlap=False, *, pdl):
     reads what the one before it wrote. ``overlap``: the GEMMs read their first weights before
     their PDL wait (no kernel here writes the weights). ``pdl``: every call's enable_pdl."""
     q1, s1 = qops.fused_add_rms_norm_quant(x, r, n1, 1e-5, enable_pdl=pdl)
-    gu = qops.w8a8_gemm(q1, gate_up[0], s1, gate_up[1], torch.bfloat16, overlap_prologue=overlap,
-                        enable_pdl=pdl)
+    gu = qops.w8a8_gemm(q1, gate_up[0], s1, gate_up[1], torch.bfloat16, overlap_prologue=overlap, enable_pdl=pdl)
     q2, s2 = qops.silu_and_mul_quant(gu, enable_pdl=pdl)
     d = qops.w8a8_gemm(q2, down[0], s2, down[1], torch.bfloat16, overlap_prologue=overlap, enable_pdl=pdl)
     q3, s3 = qops.fused_add_rms_norm_quant(d, r, n2, 1e-5, enable_pdl=pdl)
     q4, s4 = qops.rms_norm_quant(d, n1, 1e-5, enable_pdl=pdl)
     q5, s5 = qops.quant_per_token(d, enable_pdl=pdl)
     h = d.shape[1]
-    e = qops.w8a8_gemm(q5, gate_up[0][:h], s5, gate_up[1][:h], torch.bfloat16, overlap_prologue=overlap,
-                       enable_pdl=pdl)
+    e = qops.w8a8_gemm(q5, gate_up[0][:h], s5, gate_up[1][:h], torch.bfloat16, overlap_prologue=overlap, enable_pdl=pdl)
     return [gu, q2, s2, d, q3, s3, q4, s4, q5, s5, e]
 
 
@@ -136,20 +135,29 @@ def test_decode_attention_chain(num_splits, L, overlap):
     block_tables = perm.view(B, blocks_per_seq).to(torch.int32)
     seq_lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
     pos = torch.arange(L, device="cuda")
-    slots = (block_tables[:, pos // bs].long() * bs + pos % bs)  # [B, L]
-    kv = lambda n: (torch.randn(n, HKV, D, device="cuda", generator=g) * 2).to(torch.bfloat16)  # noqa: E731
-    qops.reshape_and_cache_int8(kv(B * L), kv(B * L), k_cache, v_cache, k_scales, v_scales,
-                                slots.reshape(-1), enable_pdl=False)  # the context
+    slots = block_tables[:, pos // bs].long() * bs + pos % bs  # [B, L]
+    kv = lambda n: (torch.randn(n, HKV, D, device="cuda", generator=g) * 2).to(torch.bfloat16)
+    qops.reshape_and_cache_int8(
+        kv(B * L), kv(B * L), k_cache, v_cache, k_scales, v_scales, slots.reshape(-1), enable_pdl=False
+    )  # the context
     new_k, new_v, new_slots = kv(B), kv(B), slots[:, L - 1].contiguous()
     q = (torch.randn(B, HQ, D, device="cuda", generator=g) * 1.5).to(torch.bfloat16)
     w, ws = _weights(256, HQ * D, g)
 
     def chain(pdl):
-        qops.reshape_and_cache_int8(new_k, new_v, k_cache, v_cache, k_scales, v_scales, new_slots,
-                                    enable_pdl=pdl)
-        out = qops.paged_decode_attention_int8(q, k_cache, v_cache, k_scales, v_scales,
-                                               block_tables, seq_lens, num_splits=num_splits,
-                                               overlap_prologue=overlap, enable_pdl=pdl)
+        qops.reshape_and_cache_int8(new_k, new_v, k_cache, v_cache, k_scales, v_scales, new_slots, enable_pdl=pdl)
+        out = qops.paged_decode_attention_int8(
+            q,
+            k_cache,
+            v_cache,
+            k_scales,
+            v_scales,
+            block_tables,
+            seq_lens,
+            num_splits=num_splits,
+            overlap_prologue=overlap,
+            enable_pdl=pdl,
+        )
         qa, sa = qops.quant_per_token(out.view(B, HQ * D), enable_pdl=pdl)
         return [out, qa, sa, qops.w8a8_gemm(qa, w, sa, ws, torch.bfloat16, enable_pdl=pdl)]
 

@@ -2,6 +2,7 @@
 checks, padding and duplicate slots in the caches, device and value checks in the references and
 fakes. Each failed before the fix. CPU only (the CUDA side of the op contracts is in
 tests/test_contracts.py)."""
+
 from __future__ import annotations
 
 import math
@@ -16,8 +17,16 @@ from qops.llama.config import LlamaArgs
 from qops.llama.graphs import GraphDecoder
 from qops.llama.quantize import quantize_state_dict
 
-ARGS = LlamaArgs(vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2,
-                 num_kv_heads=1, head_dim=64, max_position_embeddings=256)
+ARGS = LlamaArgs(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=64,
+    max_position_embeddings=256,
+)
 
 
 def _state_dict(args: LlamaArgs = ARGS) -> dict:
@@ -27,8 +36,11 @@ def _state_dict(args: LlamaArgs = ARGS) -> dict:
     def lin(n, k):
         return torch.randn(n, k, generator=g) / math.sqrt(k)
 
-    sd = {"model.embed_tokens.weight": torch.randn(args.vocab_size, h, generator=g),
-          "model.norm.weight": torch.ones(h), "lm_head.weight": lin(args.vocab_size, h) * 4}
+    sd = {
+        "model.embed_tokens.weight": torch.randn(args.vocab_size, h, generator=g),
+        "model.norm.weight": torch.ones(h),
+        "lm_head.weight": lin(args.vocab_size, h) * 4,
+    }
     for layer in range(args.num_layers):
         p = f"model.layers.{layer}."
         sd[p + "input_layernorm.weight"] = torch.ones(h)
@@ -135,8 +147,16 @@ def test_quantize_rejects_unsupported_models_up_front():
     with pytest.raises(ValueError, match="calibration_tokens is empty"):
         quantize_state_dict(sd, ARGS, QuantConfig(smoothquant=True), calibration_tokens=[])
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                   num_attention_heads=1, num_key_value_heads=1, head_dim=64, hidden_act="gelu")
+    cfg = transformers.LlamaConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        head_dim=64,
+        hidden_act="gelu",
+    )
     with pytest.raises(NotImplementedError, match="hidden_act 'gelu'"):
         qops.llama.quantize(transformers.LlamaForCausalLM(cfg))
 
@@ -144,8 +164,15 @@ def test_quantize_rejects_unsupported_models_up_front():
 # ---- 5. H_kv = 0 ---------------------------------------------------------------------------------
 def test_decode_attention_with_no_kv_heads_raises():
     kc = torch.zeros(2, 0, 16, 64, dtype=torch.int8)
-    args = (torch.zeros(1, 4, 64, dtype=torch.float16), kc, kc.clone(), torch.ones(1), torch.ones(1),
-            torch.zeros(1, 2, dtype=torch.int32), torch.ones(1, dtype=torch.int32))
+    args = (
+        torch.zeros(1, 4, 64, dtype=torch.float16),
+        kc,
+        kc.clone(),
+        torch.ones(1),
+        torch.ones(1),
+        torch.zeros(1, 2, dtype=torch.int32),
+        torch.ones(1, dtype=torch.int32),
+    )
     with pytest.raises(ValueError, match="H_kv >= 1"):
         qops.paged_decode_attention_int8(*args)
 
@@ -197,8 +224,7 @@ def test_static_scales_must_be_finite_and_positive(bad):
         qops.silu_and_mul_quant(x, s)
     kc = torch.zeros(2, 1, 16, 64, dtype=torch.int8)
     with pytest.raises(ValueError, match="k_scales must be finite and > 0"):
-        qops.reshape_and_cache_int8(x[:1, None], x[:1, None], kc, kc.clone(), s, torch.ones(1),
-                                    torch.tensor([0]))
+        qops.reshape_and_cache_int8(x[:1, None], x[:1, None], kc, kc.clone(), s, torch.ones(1), torch.tensor([0]))
     with pytest.raises(ValueError, match="finite and > 0"):
         qops.PagedKVCache(1, 1, 64, 2, k_scale=bad, v_scale=1.0)
 

@@ -1,4 +1,5 @@
 """The benchmark timing helper (qops.testing): how many calls one timed CUDA graph makes."""
+
 from __future__ import annotations
 
 import pytest
@@ -7,14 +8,17 @@ import torch
 from qops import testing
 
 
-@pytest.mark.parametrize("per_call_us, n_sets, want", [
-    (25.0, 2, 20),     # 2 sets of a 25 us call: 20 rounds, 40 calls, 1 ms
-    (600.0, 2, 1),     # already longer than GRAPH_MIN_US
-    (1.0, 2, 64),      # capped at GRAPH_MAX_CALLS = 128 calls
-    (1.0, 32, 4),
-    (2.0, 200, 1),     # more sets than the cap: each once
-    (0.0, 3, 42),      # a call too short to time: the cap (128 // 3 rounds)
-])
+@pytest.mark.parametrize(
+    "per_call_us, n_sets, want",
+    [
+        (25.0, 2, 20),  # 2 sets of a 25 us call: 20 rounds, 40 calls, 1 ms
+        (600.0, 2, 1),  # already longer than GRAPH_MIN_US
+        (1.0, 2, 64),  # capped at GRAPH_MAX_CALLS = 128 calls
+        (1.0, 32, 4),
+        (2.0, 200, 1),  # more sets than the cap: each once
+        (0.0, 3, 42),  # a call too short to time: the cap (128 // 3 rounds)
+    ],
+)
 def test_graph_repeats(per_call_us, n_sets, want):
     assert testing._graph_repeats(per_call_us, n_sets) == want
 
@@ -28,6 +32,7 @@ def test_runner_repeats_sets_in_turn():
         def call():
             used.append(i)  # runs at warm-up and capture only; replays do not call Python
             x.add_(1.0)
+
         return call
 
     run, ncalls = testing._runner(make, 3, True)

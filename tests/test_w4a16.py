@@ -1,4 +1,5 @@
 """w4a16_prepack / w4a16_gemm and the int4 weight utilities (docs/ops.md, docs/int4.md)."""
+
 from __future__ import annotations
 
 import pytest
@@ -153,7 +154,7 @@ def test_quantize_weight_zero_and_constant_groups():
     w = torch.randn(3, 128, dtype=torch.float16)
     w[0, :64] = 0.0
     w[1, 64:] = 1.5
-    w[2, :64] = 2.0 ** -24  # amax / 7 underflows: scale 0, q 0 (not w / 0 = inf -> 7)
+    w[2, :64] = 2.0**-24  # amax / 7 underflows: scale 0, q 0 (not w / 0 = inf -> 7)
     packed, scales, _ = quantize_weight_int4(w, 64)
     assert scales[0, 0] == 0 and (ref_unpack(packed)[0, :64] == 0).all()
     assert scales[2, 0] == 0 and (ref_unpack(packed)[2, :64] == 0).all()
@@ -257,8 +258,13 @@ def test_gemm_inputs_unchanged():
 
 
 def _gemm_args(**over):
-    args = dict(a=torch.randn(3, 256, dtype=torch.float16), weight_packed=torch.zeros(24, 128, dtype=torch.uint8),
-                scales=torch.ones(24, 2, dtype=torch.float16), zeros=None, group_size=128)
+    args = dict(
+        a=torch.randn(3, 256, dtype=torch.float16),
+        weight_packed=torch.zeros(24, 128, dtype=torch.uint8),
+        scales=torch.ones(24, 2, dtype=torch.float16),
+        zeros=None,
+        group_size=128,
+    )
     args.update(over)
     return args
 
@@ -270,15 +276,23 @@ def _gemm_args(**over):
         (dict(a=torch.randn(1, 3, 256, dtype=torch.float16)), ValueError, r"a must be 2-D"),
         (dict(a=torch.randn(256, 3, dtype=torch.float16).T), ValueError, r"a's last dimension must be contiguous"),
         (dict(group_size=32), ValueError, r"group_size must be 64 or 128"),
-        (dict(a=torch.randn(3, 192, dtype=torch.float16),
-              weight_packed=torch.zeros(24, 96, dtype=torch.uint8),
-              scales=torch.ones(24, 1, dtype=torch.float16)),
-         ValueError, r"K \(a.shape\[1\] = 192\) must be a positive multiple of group_size \(128\)"),
+        (
+            dict(
+                a=torch.randn(3, 192, dtype=torch.float16),
+                weight_packed=torch.zeros(24, 96, dtype=torch.uint8),
+                scales=torch.ones(24, 1, dtype=torch.float16),
+            ),
+            ValueError,
+            r"K \(a.shape\[1\] = 192\) must be a positive multiple of group_size \(128\)",
+        ),
         (dict(weight_packed=torch.zeros(24, 128, dtype=torch.int8)), TypeError, r"weight_packed must be uint8"),
         (dict(weight_packed=torch.zeros(24, 256, dtype=torch.uint8)), ValueError, r"weight_packed must be \[N, K/2\]"),
         (dict(scales=torch.ones(24, 2, dtype=torch.bfloat16)), TypeError, r"scales \(a's dtype\) must be float16"),
-        (dict(scales=torch.ones(24, 4, dtype=torch.float16)),
-         ValueError, r"scales must be \[N, K/group_size\] = \[24, 2\]"),
+        (
+            dict(scales=torch.ones(24, 4, dtype=torch.float16)),
+            ValueError,
+            r"scales must be \[N, K/group_size\] = \[24, 2\]",
+        ),
         (dict(scales=torch.ones(23, 2, dtype=torch.float16)), ValueError, r"scales must be \[N, K/group_size\]"),
         (dict(zeros=torch.ones(24, 2, dtype=torch.float32)), TypeError, r"zeros \(a's dtype\) must be float16"),
         (dict(zeros=torch.ones(24, 3, dtype=torch.float16)), ValueError, r"zeros must be \[N, K/group_size\]"),

@@ -5,6 +5,7 @@ The CUDA kernels do the reference's float32 operations in the same order, so the
 within one rounding of the output dtype (a fused multiply-add may round once less); most elements
 are bit-identical, and the tests check that too.
 """
+
 from __future__ import annotations
 
 import os
@@ -44,7 +45,8 @@ def assert_within_one_rounding(d, ref, scale, dtype):
     bad = ~(err <= tol)  # NaN fails
     assert not bad.any(), (
         f"{int(bad.sum())} of {d.numel()} elements off, first at {bad.nonzero()[0].tolist()}: "
-        f"got {d[tuple(bad.nonzero()[0])].item()}, expected {ref[tuple(bad.nonzero()[0])].item()}")
+        f"got {d[tuple(bad.nonzero()[0])].item()}, expected {ref[tuple(bad.nonzero()[0])].item()}"
+    )
 
 
 def make_inputs(m, n, k, *, device="cpu", per_token=True, per_channel=True, bias=False, dtype=torch.float16):
@@ -62,8 +64,9 @@ def make_inputs(m, n, k, *, device="cpu", per_token=True, per_channel=True, bias
 @pytest.mark.parametrize("m,n,k", [(1, 16, 16), (3, 48, 32), (17, 208, 272), (130, 64, 1024)])
 @pytest.mark.parametrize("scales", ["tensor", "token_channel", "token_tensor", "tensor_channel"])
 def test_reference_matches_float64(m, n, k, scales, dtype):
-    a, b, sa, sb, bias = make_inputs(m, n, k, per_token=scales.startswith("token"),
-                                     per_channel=scales.endswith("channel"), bias=k > 100, dtype=dtype)
+    a, b, sa, sb, bias = make_inputs(
+        m, n, k, per_token=scales.startswith("token"), per_channel=scales.endswith("channel"), bias=k > 100, dtype=dtype
+    )
     d = qops.w8a8_gemm(a, b, sa, sb, dtype, bias)
     assert d.shape == (m, n) and d.dtype == dtype
     assert_within_one_rounding(d, *ref64(a, b, sa, sb, bias), dtype)
@@ -85,10 +88,18 @@ def test_reference_is_exact_in_int32_and_saturates_nothing():
 
 def test_reference_zero_sizes_and_bias_only():
     b = torch.randint(-128, 128, (32, 16), dtype=torch.int8)
-    assert qops.w8a8_gemm(torch.empty(0, 16, dtype=torch.int8), b, torch.ones(1), torch.ones(32), torch.bfloat16).shape == (0, 32)
+    assert qops.w8a8_gemm(
+        torch.empty(0, 16, dtype=torch.int8), b, torch.ones(1), torch.ones(32), torch.bfloat16
+    ).shape == (0, 32)
     bias = torch.randn(32).half()
-    d = qops.w8a8_gemm(torch.empty(3, 0, dtype=torch.int8), torch.empty(32, 0, dtype=torch.int8),
-                       torch.ones(3), torch.ones(32), torch.float16, bias)
+    d = qops.w8a8_gemm(
+        torch.empty(3, 0, dtype=torch.int8),
+        torch.empty(32, 0, dtype=torch.int8),
+        torch.ones(3),
+        torch.ones(32),
+        torch.float16,
+        bias,
+    )
     assert torch.equal(d, bias.expand(3, 32))
 
 
@@ -104,7 +115,11 @@ def _bad_calls(device):
         ((a, b, sa, sb[:5], h), ValueError, "b_scale must hold 1 or N = 32"),
         ((a, b, sa.double(), sb, h), TypeError, "a_scale must be float32"),
         ((a, b, sa, sb, torch.float32), TypeError, "out_dtype must be float16 or bfloat16"),
-        ((a, b, sa, sb, h, torch.zeros(32, device=device, dtype=torch.bfloat16)), TypeError, "bias must have the output dtype"),
+        (
+            (a, b, sa, sb, h, torch.zeros(32, device=device, dtype=torch.bfloat16)),
+            TypeError,
+            "bias must have the output dtype",
+        ),
         ((a, b, sa, sb, h, torch.zeros(16, device=device, dtype=h)), ValueError, "bias must be \\[N\\]"),
         ((a[0], b, sa, sb, h), ValueError, "a must be 2-D"),
     ]
@@ -129,22 +144,29 @@ def test_reference_checks_the_gemv_options():
         for early in (None, 0, 1, 2):
             tuning = qops.GemvTuning(shape=shape, early_batches=early)
             assert torch.equal(qops.w8a8_gemm(a, b, sa, sb, torch.float16, tuning=tuning), d)
-    with pytest.raises(ValueError, match=re.escape("qops.w8a8_gemm: gemv_shape must be (rows, warps, chunks) "
-                                                   "or empty, got [8, 4]")):
+    with pytest.raises(
+        ValueError, match=re.escape("qops.w8a8_gemm: gemv_shape must be (rows, warps, chunks) or empty, got [8, 4]")
+    ):
         qops.w8a8_gemm(a, b, sa, sb, torch.float16, tuning=qops.GemvTuning(shape=(8, 4)))
     for bad in (3, -2):
-        with pytest.raises(ValueError, match=re.escape("qops.w8a8_gemm: gemv_early must be -1 (the GEMV's "
-                                                       f"choice), 0, 1 or 2, got {bad}")):
+        with pytest.raises(
+            ValueError,
+            match=re.escape(f"qops.w8a8_gemm: gemv_early must be -1 (the GEMV's choice), 0, 1 or 2, got {bad}"),
+        ):
             qops.w8a8_gemm(a, b, sa, sb, torch.float16, tuning=qops.GemvTuning(early_batches=bad))
 
 
 def test_opcheck_cpu():
     a, b, sa, sb, bias = make_inputs(5, 48, 32, bias=True)
     torch.library.opcheck(torch.ops.qops.w8a8_gemm.default, (a, b, sa, sb, torch.float16, bias))
-    torch.library.opcheck(torch.ops.qops.w8a8_gemm.default, (a, b, sa, sb, torch.float16, bias),
-                          {"overlap_prologue": True})
-    torch.library.opcheck(torch.ops.qops.w8a8_gemm.default, (a, b, sa, sb, torch.float16, bias),
-                          {"gemv_shape": list(table.gemv_launch_shapes()[0]), "gemv_early": 1})
+    torch.library.opcheck(
+        torch.ops.qops.w8a8_gemm.default, (a, b, sa, sb, torch.float16, bias), {"overlap_prologue": True}
+    )
+    torch.library.opcheck(
+        torch.ops.qops.w8a8_gemm.default,
+        (a, b, sa, sb, torch.float16, bias),
+        {"gemv_shape": list(table.gemv_launch_shapes()[0]), "gemv_early": 1},
+    )
 
 
 # ---- the kernel table and the generator (no GPU needed) -----------------------------------------
@@ -163,8 +185,10 @@ def test_tuner_merge_replaces_only_the_timed_buckets():
     from tools import tune_w8a8_gemm as tune
 
     a, b, c = table.config_names()[:3]
-    old = [{"layer": "x", "n": 64, "k": 64, "picks": [[16, a], [256, b], [8192, c]]},
-           {"layer": "y", "n": 32, "k": 64, "picks": [[8192, c]]}]
+    old = [
+        {"layer": "x", "n": 64, "k": 64, "picks": [[16, a], [256, b], [8192, c]]},
+        {"layer": "y", "n": 32, "k": 64, "picks": [[8192, c]]},
+    ]
     rows = [{"M": m, "N": 64, "K": 64} for m in (193, 256)]  # bucket (192, 256] only
     new = tune.build_table([{**r, "layer": "x", f"{a}_us": 1.0, f"{b}_us": 2.0, f"{c}_us": 3.0} for r in rows], 0.03)
     assert new == [{"layer": "x", "n": 64, "k": 64, "picks": [[256, a]]}]
@@ -184,8 +208,13 @@ def _read(path):
 
 def _generate(out, *options):
     """Run the generator as the build does (a module, from the repository root); its files by name."""
-    r = subprocess.run([sys.executable, "-m", "cutlass_kernels.gen_w8a8", "--out", str(out), *options],
-                       cwd=ROOT, capture_output=True, text=True, check=False)
+    r = subprocess.run(
+        [sys.executable, "-m", "cutlass_kernels.gen_w8a8", "--out", str(out), *options],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert r.returncode == 0, r.stderr
     return {os.path.basename(p): _read(p) for p in r.stdout.split()}
 
@@ -199,7 +228,8 @@ def test_generator_is_deterministic_and_emits_the_table(tmp_path):
     assert len(files) == len(table.CONFIGS) * len(table.OUT_DTYPES) * len(table.SCALE_MODES) + 3
     assert {"w8a8_dispatch.cu", "w8a8_select.h", "w8a8_gemv_shapes.h"} <= set(files)
     assert _generate(tmp_path / "headers", "--headers-only") == {
-        n: files[n] for n in ("w8a8_select.h", "w8a8_gemv_shapes.h")}
+        n: files[n] for n in ("w8a8_select.h", "w8a8_gemv_shapes.h")
+    }
     for cfg in table.CONFIGS:
         m, n, k = cfg.cta
         cm, cn, ck = cfg.cluster
@@ -227,23 +257,36 @@ def test_generated_selection_matches_the_table(tmp_path):
     if cxx is None:
         pytest.skip("no host C++ compiler")
     _generate(tmp_path / "gen", "--headers-only")  # w8a8_select.h: plain data, no CUTLASS needed
-    ms = sorted({1, 2, 15, 16, 17, 63, 64, 65, 100, 1000, 5000, 8192, 8193, 20000}
-                | {m + d for picks in table.TUNED.values() for m, _ in picks for d in (-1, 0, 1)})
-    shapes = sorted(set(table.TUNED) | {(4096, 4096), (576, 1536), (1280, 8192), (28672, 4096), (100, 64),
-                                        (16384, 2048), (2048, 16384)})
+    ms = sorted(
+        {1, 2, 15, 16, 17, 63, 64, 65, 100, 1000, 5000, 8192, 8193, 20000}
+        | {m + d for picks in table.TUNED.values() for m, _ in picks for d in (-1, 0, 1)}
+    )
+    shapes = sorted(
+        set(table.TUNED)
+        | {(4096, 4096), (576, 1536), (1280, 8192), (28672, 4096), (100, 64), (16384, 2048), (2048, 16384)}
+    )
     problems = [(m, n, k, sms) for (n, k) in shapes for m in ms for sms in (132, 114, 78)]
     main_cc = tmp_path / "main.cc"
     main_cc.write_text(
         '#include <cstdio>\n#include "w8a8_select.h"\n'
         "int main() {\n  int m, n, k, s;\n"
         '  while (std::scanf("%d %d %d %d", &m, &n, &k, &s) == 4)\n'
-        '    std::printf("%d\\n", qops::w8a8_sm90::select::select_config(m, n, k, s));\n}\n')
+        '    std::printf("%d\\n", qops::w8a8_sm90::select::select_config(m, n, k, s));\n}\n'
+    )
     exe = tmp_path / "select"
-    r = subprocess.run([cxx, "-std=c++17", "-O1", "-I", str(tmp_path / "gen"), str(main_cc), "-o", str(exe)],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [cxx, "-std=c++17", "-O1", "-I", str(tmp_path / "gen"), str(main_cc), "-o", str(exe)],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr
-    r = subprocess.run([str(exe)], input="".join(f"{m} {n} {k} {s}\n" for m, n, k, s in problems),
-                       capture_output=True, text=True, check=True)
+    r = subprocess.run(
+        [str(exe)],
+        input="".join(f"{m} {n} {k} {s}\n" for m, n, k, s in problems),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     names = table.config_names()
     got = [names[int(x)] for x in r.stdout.split()]
     want = [table.select_config(m, n, k, s) for m, n, k, s in problems]
@@ -268,12 +311,19 @@ def run_and_check(a, b, sa, sb, dtype, bias=None, **kw):
 
 
 # decode_split: 20 N tiles of K = 8192 at M = 5, which the stream-K configs split over the SMs.
-_KERNEL_SHAPES = {"small": (133, 208, 272), "multi_k": (300, 1040, 4112), "decode_split": (5, 1280, 8192),
-                  "decode_small": (16, 48, 272)}
+_KERNEL_SHAPES = {
+    "small": (133, 208, 272),
+    "multi_k": (300, 1040, 4112),
+    "decode_split": (5, 1280, 8192),
+    "decode_small": (16, 48, 272),
+}
 # Every config at every shape it serves (the hand-written GEMV: M <= 16 only).
-_CONFIG_SHAPES = [pytest.param(c, shape, id=f"{c}-{sid}") for c in table.config_names()
-                  for sid, shape in _KERNEL_SHAPES.items()
-                  if (table.config_max_m(c) or shape[0]) >= shape[0]]
+_CONFIG_SHAPES = [
+    pytest.param(c, shape, id=f"{c}-{sid}")
+    for c in table.config_names()
+    for sid, shape in _KERNEL_SHAPES.items()
+    if (table.config_max_m(c) or shape[0]) >= shape[0]
+]
 
 
 @pytest.mark.gpu
@@ -306,7 +356,7 @@ def test_gemv_launch_shapes_are_the_generated_header(tmp_path):
     for rows, warps, chunks in _GEMV_SHAPES:
         assert rows in (8, 16) and warps in (4, 8) and chunks in (2, 4, 8), (rows, warps, chunks)
     header = _generate(tmp_path, "--headers-only")["w8a8_gemv_shapes.h"]
-    body = header[header.index("kGemvShapes[]"):]
+    body = header[header.index("kGemvShapes[]") :]
     emitted = [tuple(map(int, t)) for t in re.findall(r"\{(\d+),\s*(\d+),\s*(\d+)\}", body)]
     assert emitted == _GEMV_SHAPES
 
@@ -329,8 +379,9 @@ def test_gemv_every_launch_shape(problem, launch, dtype):
     for early in (None, 0, 1, 2):
         poison_cuda_allocator()
         tuning = qops.GemvTuning(shape=launch, early_batches=early)
-        assert torch.equal(qops.w8a8_gemm(a, b, sa, sb, dtype, bz, config="gemv", overlap_prologue=True,
-                                          tuning=tuning), d), early
+        assert torch.equal(
+            qops.w8a8_gemm(a, b, sa, sb, dtype, bz, config="gemv", overlap_prologue=True, tuning=tuning), d
+        ), early
 
 
 @pytest.mark.gpu
@@ -345,8 +396,7 @@ def test_gemv_own_shape_at_multi_wave_layers(m, dtype):
     batch): the same bits. (No tuning: the GEMV's own launch shape and early batches.)"""
     needs_w8a8_gemm()
     for n, k in [(8192, 3584), (8208, 2064)]:
-        a, b, sa, sb, bz = make_inputs(m, n, k, device="cuda", per_token=True, per_channel=True, bias=True,
-                                       dtype=dtype)
+        a, b, sa, sb, bz = make_inputs(m, n, k, device="cuda", per_token=True, per_channel=True, bias=True, dtype=dtype)
         d = run_and_check(a, b, sa, sb, dtype, bz, config="gemv")
         assert torch.equal(d, qops.gemm._w8a8_gemm_ref(a, b, sa, sb, dtype, bz))
         poison_cuda_allocator()
@@ -371,8 +421,9 @@ def test_gemv_bias_at_odd_element(launch, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [4, 16])
-@pytest.mark.parametrize("launch", [None, ((8, 4, 4), 2), ((16, 8, 4), 1)],
-                         ids=["own", "r8w4c4_early2", "r16w8c4_early1"])
+@pytest.mark.parametrize(
+    "launch", [None, ((8, 4, 4), 2), ((16, 8, 4), 1)], ids=["own", "r8w4c4_early2", "r16w8c4_early1"]
+)
 @pytest.mark.parametrize("overlap", [False, True], ids=["", "overlap"])
 @pytest.mark.parametrize("pdl", [True, False], ids=["pdl", "no_pdl"])
 def test_gemv_reads_what_the_previous_kernel_wrote(pdl, overlap, launch, m):
@@ -396,8 +447,19 @@ def test_gemv_reads_what_the_previous_kernel_wrote(pdl, overlap, launch, m):
         for a, sa in srcs:
             a_buf.copy_(a)  # the producers, right before the GEMV
             sa_buf.copy_(sa)
-            outs.append(qops.w8a8_gemm(a_buf, b, sa_buf, sb, torch.bfloat16, config="gemv",
-                                       overlap_prologue=overlap, enable_pdl=pdl, tuning=tuning))
+            outs.append(
+                qops.w8a8_gemm(
+                    a_buf,
+                    b,
+                    sa_buf,
+                    sb,
+                    torch.bfloat16,
+                    config="gemv",
+                    overlap_prologue=overlap,
+                    enable_pdl=pdl,
+                    tuning=tuning,
+                )
+            )
         return outs
 
     want = [qops.gemm._w8a8_gemm_ref(a, b, sa, sb, torch.bfloat16) for a, sa in srcs]
@@ -428,22 +490,42 @@ def test_gemv_errors():
         qops.w8a8_gemm(a, b, sa, sb, torch.float16, config="gemv")
     built = "".join(f" ({r}, {w}, {c})" for r, w, c in _GEMV_SHAPES)
     for bad in ((12, 4, 4), (16,), (16, 4, 2), (8, 4), (8, 4, 2), (8, 4, 4, 4)):
-        want = f"qops.w8a8_gemm: gemv_shape must be (rows, warps, chunks), one of{built}; got [{', '.join(map(str, bad))}]"
+        want = (
+            f"qops.w8a8_gemm: gemv_shape must be (rows, warps, chunks), one of{built}; got [{', '.join(map(str, bad))}]"
+        )
         with pytest.raises(ValueError, match=re.escape(want)):
-            qops.w8a8_gemm(a[:4], b, sa[:4], sb, torch.float16, config="gemv",
-                           tuning=qops.GemvTuning(shape=bad))
+            qops.w8a8_gemm(a[:4], b, sa[:4], sb, torch.float16, config="gemv", tuning=qops.GemvTuning(shape=bad))
     for bad in (3, -2, 12):
-        with pytest.raises(ValueError, match=re.escape(f"qops.w8a8_gemm: gemv_early must be -1 (the GEMV's choice), "
-                                                       f"0, 1 or 2, got {bad}")):
-            qops.w8a8_gemm(a[:4], b, sa[:4], sb, torch.float16, config="gemv", overlap_prologue=True,
-                           tuning=qops.GemvTuning(early_batches=bad))
+        with pytest.raises(
+            ValueError,
+            match=re.escape(f"qops.w8a8_gemm: gemv_early must be -1 (the GEMV's choice), 0, 1 or 2, got {bad}"),
+        ):
+            qops.w8a8_gemm(
+                a[:4],
+                b,
+                sa[:4],
+                sb,
+                torch.float16,
+                config="gemv",
+                overlap_prologue=True,
+                tuning=qops.GemvTuning(early_batches=bad),
+            )
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,n,k", [
-    (1, 4096, 4096), (3, 576, 1536), (16, 28672, 4096), (17, 1536, 576), (64, 192, 576),
-    (129, 6144, 4096), (1025, 1024, 1024), (4097, 1040, 528),
-])
+@pytest.mark.parametrize(
+    "m,n,k",
+    [
+        (1, 4096, 4096),
+        (3, 576, 1536),
+        (16, 28672, 4096),
+        (17, 1536, 576),
+        (64, 192, 576),
+        (129, 6144, 4096),
+        (1025, 1024, 1024),
+        (4097, 1040, 528),
+    ],
+)
 def test_auto_selection_at_awkward_sizes(m, n, k):
     needs_w8a8_gemm()
     a, b, sa, sb, bias = make_inputs(m, n, k, device="cuda", bias=m % 2 == 1, dtype=torch.bfloat16)
@@ -455,8 +537,9 @@ def test_auto_selection_at_awkward_sizes(m, n, k):
 def test_mixed_scale_shapes(mixed):
     needs_w8a8_gemm()
     m, n, k = 37, 96, 256
-    a, b, sa, sb, _ = make_inputs(m, n, k, device="cuda", per_token=mixed != "tensor_channel",
-                                  per_channel=mixed != "token_tensor")
+    a, b, sa, sb, _ = make_inputs(
+        m, n, k, device="cuda", per_token=mixed != "tensor_channel", per_channel=mixed != "token_tensor"
+    )
     if mixed == "column_vector":
         sa, sb = sa[:, None], sb[None, :]  # [M, 1] and [1, N] are accepted and flattened
     run_and_check(a, b, sa, sb, torch.float16)
@@ -468,11 +551,13 @@ def test_strided_operands_and_scales():
     m, n, k = 50, 64, 320
     a_wide = torch.randint(-128, 128, (m, k + 48), dtype=torch.int8, device="cuda")
     b_wide = torch.randint(-128, 128, (n, k + 16), dtype=torch.int8, device="cuda")
-    a, b = a_wide[:, 32:32 + k], b_wide[:, :k]  # row strides 368 and 336, 16-byte aligned starts
+    a, b = a_wide[:, 32 : 32 + k], b_wide[:, :k]  # row strides 368 and 336, 16-byte aligned starts
     sa = torch.rand(2 * m, device="cuda")[::2] * 0.02  # non-contiguous: copied by the op
     sb = torch.rand(n + 1, device="cuda")[1:] * 0.001  # contiguous, 4-byte offset: copied too
     d = run_and_check(a, b, sa, sb, torch.float16)
-    assert torch.equal(d, qops.w8a8_gemm(a.contiguous(), b.contiguous(), sa.contiguous(), sb.contiguous(), torch.float16))
+    assert torch.equal(
+        d, qops.w8a8_gemm(a.contiguous(), b.contiguous(), sa.contiguous(), sb.contiguous(), torch.float16)
+    )
 
 
 @pytest.mark.gpu
@@ -492,13 +577,24 @@ def test_int8_extremes_accumulate_exactly():
 def test_zero_sizes_and_zero_k_on_cuda():
     needs_w8a8_gemm()
     b = torch.randint(-128, 128, (32, 16), dtype=torch.int8, device="cuda")
-    d = qops.w8a8_gemm(torch.empty(0, 16, dtype=torch.int8, device="cuda"), b, torch.ones(1, device="cuda"),
-                       torch.ones(32, device="cuda"), torch.float16)
+    d = qops.w8a8_gemm(
+        torch.empty(0, 16, dtype=torch.int8, device="cuda"),
+        b,
+        torch.ones(1, device="cuda"),
+        torch.ones(32, device="cuda"),
+        torch.float16,
+    )
     assert d.shape == (0, 32) and d.is_cuda
     bias = torch.randn(32, device="cuda").half()
     poison_cuda_allocator()
-    d = qops.w8a8_gemm(torch.empty(3, 0, dtype=torch.int8, device="cuda"), torch.empty(32, 0, dtype=torch.int8, device="cuda"),
-                       torch.ones(3, device="cuda"), torch.ones(32, device="cuda"), torch.float16, bias)
+    d = qops.w8a8_gemm(
+        torch.empty(3, 0, dtype=torch.int8, device="cuda"),
+        torch.empty(32, 0, dtype=torch.int8, device="cuda"),
+        torch.ones(3, device="cuda"),
+        torch.ones(32, device="cuda"),
+        torch.float16,
+        bias,
+    )
     assert torch.equal(d, bias.expand(3, 32))
 
 
@@ -551,9 +647,17 @@ def test_cuda_layout_and_config_errors():
         ((wide[:, 1:65], b, sa, sb, h), {}, "a must start at a 16-byte aligned address"),
         ((a.t().contiguous().t(), b, sa, sb, h), {}, "a must be row-major"),
         ((a[:1].expand(4, 64), b, sa, sb, h), {}, "a's rows must not overlap"),
-        ((torch.zeros(4, 72, dtype=torch.int8, device="cuda")[:, :64], b, sa, sb, h), {},
-         "a's rows must not overlap and their stride must be a multiple of 16 elements, got shape \\[4, 64\\] and strides \\[72, 1\\]"),
-        ((a, b, sa, sb, h), {"config": "nope"}, "unknown config 'nope'; this build has: auto, " + table.config_names()[0]),
+        (
+            (torch.zeros(4, 72, dtype=torch.int8, device="cuda")[:, :64], b, sa, sb, h),
+            {},
+            "a's rows must not overlap and their stride must be a multiple of 16 elements, "
+            "got shape \\[4, 64\\] and strides \\[72, 1\\]",
+        ),
+        (
+            (a, b, sa, sb, h),
+            {"config": "nope"},
+            "unknown config 'nope'; this build has: auto, " + table.config_names()[0],
+        ),
         ((a.cpu(), b, sa, sb, h), {}, "a must be a CUDA tensor"),
         ((a, b, sa.cpu(), sb, h), {}, "a_scale must be on cuda"),
     ]
@@ -567,7 +671,9 @@ def test_opcheck_cuda():
     needs_w8a8_gemm()
     a, b, sa, sb, bias = make_inputs(33, 128, 256, device="cuda", bias=True)
     torch.library.opcheck(torch.ops.qops.w8a8_gemm.default, (a, b, sa, sb, torch.float16, bias))
-    torch.library.opcheck(torch.ops.qops.w8a8_gemm.default, (a, b, sa[:1], sb[:1], torch.float16),
-                          {"config": table.CONFIGS[-1].name})
-    torch.library.opcheck(torch.ops.qops.w8a8_gemm.default, (a[:5], b, sa[:5], sb, torch.float16),
-                          {"overlap_prologue": True})
+    torch.library.opcheck(
+        torch.ops.qops.w8a8_gemm.default, (a, b, sa[:1], sb[:1], torch.float16), {"config": table.CONFIGS[-1].name}
+    )
+    torch.library.opcheck(
+        torch.ops.qops.w8a8_gemm.default, (a[:5], b, sa[:5], sb, torch.float16), {"overlap_prologue": True}
+    )

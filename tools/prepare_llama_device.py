@@ -15,6 +15,7 @@ call does not name stays there):
 On the device: ``export QOPS_LLAMA_DATA=bench/out/llama_data:bench/out/llama_data_b``;
 ``qops.llama.smollm2`` then joins the parts (checking the size) and finds the rest.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,9 +49,23 @@ def main(argv=None) -> int:
     ver = getattr(gguf, "__version__", None)
     if ver is None:
         from importlib.metadata import version
+
         ver = version("gguf")
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-                    f"gguf=={ver}", "-d", str(out_a)], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--no-deps",
+            "--only-binary=:all:",
+            f"gguf=={ver}",
+            "-d",
+            str(out_a),
+        ],
+        check=True,
+    )
 
     tok = smollm2.load_tokenizer()
     tok.save_pretrained(str(out_a / "tokenizer"))
@@ -61,8 +76,10 @@ def main(argv=None) -> int:
     for d in (out_a, out_b):
         size = sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
         print(f"{d}: {size / 2**20:.1f} MiB: {sorted(f.name for f in d.iterdir())}")
-    print("device calls: carry [.whl, bench/out/llama_data] first, then [bench/out/llama_data_b]; "
-          "export QOPS_LLAMA_DATA=bench/out/llama_data:bench/out/llama_data_b")
+    print(
+        "device calls: carry [.whl, bench/out/llama_data] first, then [bench/out/llama_data_b]; "
+        "export QOPS_LLAMA_DATA=bench/out/llama_data:bench/out/llama_data_b"
+    )
     return 0
 
 

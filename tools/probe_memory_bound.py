@@ -17,6 +17,7 @@ From the repository root:
         [--splits S] [--merge M] [--warps W] [--model M --B B]
         (runs one case a few times eagerly, for `ncu -k ... --launch-skip 2 --launch-count 1`)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,35 +54,59 @@ def stream_rows(copy_bw):
         add_bytes = T * H * 7 + H * 2 + T * 4
         # copies moving the same total bytes (half read, half write)
         cp_n = norm_bytes // 2
-        srcs = _sets(l2_rotation_sets(cp_n), lambda: torch.empty(cp_n, dtype=torch.uint8, device="cuda").random_(0, 255))
+        srcs = _sets(
+            l2_rotation_sets(cp_n), lambda: torch.empty(cp_n, dtype=torch.uint8, device="cuda").random_(0, 255)
+        )
         dsts = [torch.empty_like(s) for s in srcs]
-        copy_us = bench_us(lambda i: (lambda: dsts[i].copy_(srcs[i])), len(srcs))
-        del srcs, dsts
-        cast_us = bench_us(lambda i: (lambda: outs[i].copy_(xs[i])), n)
+        copy_us = bench_us(lambda i: lambda: dsts[i].copy_(srcs[i]), len(srcs))
+        srcs.clear()  # drop the tensors (the closures above hold the list)
+        dsts.clear()
+        cast_us = bench_us(lambda i: lambda: outs[i].copy_(xs[i]), n)
 
         def norm(variant):
             tuning = qops.NormTuning(variant=variant)
-            return bench_us(lambda i: (lambda: qops.rms_norm_quant(xs[i], w, EPS, tuning=tuning)), n)
+            return bench_us(lambda i: lambda: qops.rms_norm_quant(xs[i], w, EPS, tuning=tuning), n)
+
         n_auto, n_rr, n_pipe = norm("auto"), norm("rowres"), norm("pipelined")
-        add_us = bench_us(lambda i: (lambda: qops.fused_add_rms_norm_quant(xs[i], rs[i], w, EPS)), n)
+        add_us = bench_us(lambda i: lambda: qops.fused_add_rms_norm_quant(xs[i], rs[i], w, EPS), n)
         cp2_n = add_bytes // 2
-        srcs = _sets(l2_rotation_sets(cp2_n), lambda: torch.empty(cp2_n, dtype=torch.uint8, device="cuda").random_(0, 255))
+        srcs = _sets(
+            l2_rotation_sets(cp2_n), lambda: torch.empty(cp2_n, dtype=torch.uint8, device="cuda").random_(0, 255)
+        )
         dsts = [torch.empty_like(s) for s in srcs]
-        copy2_us = bench_us(lambda i: (lambda: dsts[i].copy_(srcs[i])), len(srcs))
-        del srcs, dsts, xs, rs, outs
+        copy2_us = bench_us(lambda i: lambda: dsts[i].copy_(srcs[i]), len(srcs))
+        srcs.clear()  # drop the tensors (the closures above hold the list)
+        dsts.clear()
+        xs.clear()
+        rs.clear()
+        outs.clear()
         torch.cuda.empty_cache()
-        for name, us, nb, ref in (("copy (norm bytes)", copy_us, norm_bytes, copy_us),
-                                  ("cast bf16->int8", cast_us, T * H * 3, copy_us),
-                                  ("norm auto", n_auto, norm_bytes, copy_us),
-                                  ("norm rowres", n_rr, norm_bytes, copy_us),
-                                  ("norm pipelined", n_pipe, norm_bytes, copy_us),
-                                  ("copy (add bytes)", copy2_us, add_bytes, copy2_us),
-                                  ("add+norm auto", add_us, add_bytes, copy2_us)):
+        for name, us, nb, ref in (
+            ("copy (norm bytes)", copy_us, norm_bytes, copy_us),
+            ("cast bf16->int8", cast_us, T * H * 3, copy_us),
+            ("norm auto", n_auto, norm_bytes, copy_us),
+            ("norm rowres", n_rr, norm_bytes, copy_us),
+            ("norm pipelined", n_pipe, norm_bytes, copy_us),
+            ("copy (add bytes)", copy2_us, add_bytes, copy2_us),
+            ("add+norm auto", add_us, add_bytes, copy2_us),
+        ):
             bw = gbps(nb, us)
-            rows.append({"case": name, "T": T, "H": H, "us": us, "GBps": bw, "of_copy_1GiB": bw / copy_bw,
-                         "of_same_size_copy": bw / gbps(nb, ref)})
-            print(f"{name:20s} {T:6d}x{H:<5d} {us:8.2f} us {bw:6.0f} GB/s  {bw / copy_bw:.3f} of 1 GiB copy"
-                  f"  {rows[-1]['of_same_size_copy']:.3f} of the same-size copy", flush=True)
+            rows.append(
+                {
+                    "case": name,
+                    "T": T,
+                    "H": H,
+                    "us": us,
+                    "GBps": bw,
+                    "of_copy_1GiB": bw / copy_bw,
+                    "of_same_size_copy": bw / gbps(nb, ref),
+                }
+            )
+            print(
+                f"{name:20s} {T:6d}x{H:<5d} {us:8.2f} us {bw:6.0f} GB/s  {bw / copy_bw:.3f} of 1 GiB copy"
+                f"  {rows[-1]['of_same_size_copy']:.3f} of the same-size copy",
+                flush=True,
+            )
     return rows
 
 
@@ -99,7 +124,7 @@ def decode_rows(copy_bw, batch=1, contexts=(1024, 4096, 16384)):
         sets = [decode_problem(batch, T, i) for i in range(n)]
         nbytes = batch * (2 * T * HKV * D + 2 * T * HKV * 4)
         configs = [(0, "auto", 0)]
-        for ns in ((4, 8, 16, 32) if batch == 1 else (1, 2, 3, 4, 6, 8)):
+        for ns in (4, 8, 16, 32) if batch == 1 else (1, 2, 3, 4, 6, 8):
             for merge in ("cluster", "fused"):
                 for warps in (4, 8):
                     if (ns > 8 and merge == "cluster") or (ns == 1 and merge == "cluster"):
@@ -109,14 +134,30 @@ def decode_rows(copy_bw, batch=1, contexts=(1024, 4096, 16384)):
             if ns * 16 > T:
                 continue
             tuning = qops.DecodeTuning(merge=merge, warps=warps)  # warps 0: the kernel's choice
-            us = bench_us(lambda i, ns=ns, tuning=tuning: (lambda: qops.paged_decode_attention_int8(
-                *sets[i], D ** -0.5, num_splits=ns, tuning=tuning)), n)
-            rows.append({"case": f"decode B={batch} gqa", "T": T, "num_splits": ns or "auto", "merge": merge,
-                         "warps": warps or "auto", "us": us, "GBps": gbps(nbytes, us),
-                         "of_copy_1GiB": gbps(nbytes, us) / copy_bw})
-            print(f"decode B={batch} T={T:6d} splits={ns or 'auto':>4} {merge:8s} warps={warps or 'auto':>4}: "
-                  f"{us:7.2f} us {gbps(nbytes, us):6.0f} GB/s", flush=True)
-        del sets
+            us = bench_us(
+                lambda i, ns=ns, tuning=tuning: (
+                    lambda: qops.paged_decode_attention_int8(*sets[i], D**-0.5, num_splits=ns, tuning=tuning)
+                ),
+                n,
+            )
+            rows.append(
+                {
+                    "case": f"decode B={batch} gqa",
+                    "T": T,
+                    "num_splits": ns or "auto",
+                    "merge": merge,
+                    "warps": warps or "auto",
+                    "us": us,
+                    "GBps": gbps(nbytes, us),
+                    "of_copy_1GiB": gbps(nbytes, us) / copy_bw,
+                }
+            )
+            print(
+                f"decode B={batch} T={T:6d} splits={ns or 'auto':>4} {merge:8s} warps={warps or 'auto':>4}: "
+                f"{us:7.2f} us {gbps(nbytes, us):6.0f} GB/s",
+                flush=True,
+            )
+        sets.clear()  # drop the tensors (the closures above hold the list)
         torch.cuda.empty_cache()
     return rows
 
@@ -139,7 +180,7 @@ def ncu_case(args):
         a = int8_problem(args.B, HQ, HKV, D, [T] * args.B, 0)
         tuning = qops.DecodeTuning(merge=args.merge, warps=args.warps)
         for _ in range(5):
-            qops.paged_decode_attention_int8(*a, D ** -0.5, num_splits=args.splits, tuning=tuning)
+            qops.paged_decode_attention_int8(*a, D**-0.5, num_splits=args.splits, tuning=tuning)
     else:
         raise SystemExit(f"unknown --ncu case {args.ncu!r}")
     torch.cuda.synchronize()
@@ -154,8 +195,7 @@ def main():
     ap.add_argument("--splits", type=int, default=0, help="num_splits of --ncu decode (0: the heuristic's)")
     ap.add_argument("--merge", default="auto", choices=MERGES, help="split merge of --ncu decode")
     ap.add_argument("--warps", type=int, default=0, choices=(0, 4, 8), help="warps per CTA of --ncu decode (0: auto)")
-    ap.add_argument("--model", default="llama3-8b-gqa", choices=sorted(MODELS),
-                    help="decode shape of --ncu decode")
+    ap.add_argument("--model", default="llama3-8b-gqa", choices=sorted(MODELS), help="decode shape of --ncu decode")
     ap.add_argument("--B", type=int, default=1, help="batch of --ncu decode")
     ap.add_argument("--skip-stream", action="store_true")
     ap.add_argument("--skip-decode", action="store_true")
@@ -171,9 +211,10 @@ def main():
     copy_bw = copy_bandwidth_gbps()
     print(f"device: {torch.cuda.get_device_name()}, copy bandwidth (1 GiB) {copy_bw:.0f} GB/s")
     contexts = tuple(int(t) for t in args.decode_T.split(","))
-    for name, skip, fn in (("stream", args.skip_stream, stream_rows),
-                           ("decode", args.skip_decode,
-                            lambda bw: decode_rows(bw, args.decode_batch, contexts))):
+    for name, skip, fn in (
+        ("stream", args.skip_stream, stream_rows),
+        ("decode", args.skip_decode, lambda bw: decode_rows(bw, args.decode_batch, contexts)),
+    ):
         if skip:
             continue
         rows = fn(copy_bw)

@@ -11,6 +11,7 @@ From the repository root:
 Without ncu it just runs (and checks every config against the first). docs/w8a8_gemm.md, "What the
 profiler says about 70B-tp8 qkv at M = 1024", was made with it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,8 +29,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layer", default="70B-tp8.qkv", help=f"one of {', '.join(l for l, _, _ in LAYERS)}")
     ap.add_argument("--m", type=int, default=1024, help="tokens (rows of the activations)")
-    ap.add_argument("--configs", default=None,
-                    help="comma-separated config names (default: every tile config, and gemv at M <= 16)")
+    ap.add_argument(
+        "--configs", default=None, help="comma-separated config names (default: every tile config, and gemv at M <= 16)"
+    )
     ap.add_argument("--no-anchors", action="store_true", help="skip bf16 F.linear and fp8 row-wise _scaled_mm")
     args = ap.parse_args()
     shapes = {l: (n, k) for l, n, k in LAYERS}
@@ -51,12 +53,19 @@ def main() -> None:
     sa, sb = torch.rand(m, device="cuda") * 0.02, torch.rand(n, device="cuda") * 1e-3
     calls = {c: (lambda c=c: qops.w8a8_gemm(a, b, sa, sb, torch.bfloat16, config=c)) for c in configs}
     if not args.no_anchors:
-        x, w = torch.randn(m, k, device="cuda", dtype=torch.bfloat16), torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-        a8, b8 = torch.randn(m, k, device="cuda").to(torch.float8_e4m3fn), torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn)
+        x, w = (
+            torch.randn(m, k, device="cuda", dtype=torch.bfloat16),
+            torch.randn(n, k, device="cuda", dtype=torch.bfloat16),
+        )
+        a8, b8 = (
+            torch.randn(m, k, device="cuda").to(torch.float8_e4m3fn),
+            torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn),
+        )
         s8a, s8b = torch.rand(m, 1, device="cuda"), torch.rand(1, n, device="cuda")
         calls["bf16 F.linear"] = lambda: F.linear(x, w)
-        calls["fp8 row-wise _scaled_mm"] = lambda: torch._scaled_mm(a8, b8.t(), scale_a=s8a, scale_b=s8b,
-                                                                    out_dtype=torch.bfloat16)
+        calls["fp8 row-wise _scaled_mm"] = lambda: torch._scaled_mm(
+            a8, b8.t(), scale_a=s8a, scale_b=s8b, out_dtype=torch.bfloat16
+        )
     ref = None
     for name, f in calls.items():  # warm up (module load, workspace, cuBLAS handles), check ours
         out = f()

@@ -11,6 +11,7 @@ info are normalized away; everything else must match.
 Needs nvcc and git; the generated plain-data headers come from ``cutlass_kernels.gen_w8a8
 --headers-only`` of each tree (when the tree has that option).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,15 +28,31 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _generated_headers(tree: Path, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    for cmd in ([sys.executable, "-m", "cutlass_kernels.gen_w8a8", "--headers-only", "--out", str(out)],
-                [sys.executable, str(tree / "cutlass_kernels" / "gen_w8a8.py"), "--out", str(out)]):
+    for cmd in (
+        [sys.executable, "-m", "cutlass_kernels.gen_w8a8", "--headers-only", "--out", str(out)],
+        [sys.executable, str(tree / "cutlass_kernels" / "gen_w8a8.py"), "--out", str(out)],
+    ):
         if subprocess.run(cmd, cwd=tree, capture_output=True).returncode == 0:
             return
 
 
 def _ptx(src: Path, tree: Path, gen: Path, arch: str, out: Path) -> str:
-    cmd = ["nvcc", "-ptx", "-O3", "-DNDEBUG", "-std=c++17", "--expt-relaxed-constexpr", f"-arch=compute_{arch}",
-           "-I", str(tree / "csrc"), "-I", str(gen), str(src), "-o", str(out)]
+    cmd = [
+        "nvcc",
+        "-ptx",
+        "-O3",
+        "-DNDEBUG",
+        "-std=c++17",
+        "--expt-relaxed-constexpr",
+        f"-arch=compute_{arch}",
+        "-I",
+        str(tree / "csrc"),
+        "-I",
+        str(gen),
+        str(src),
+        "-o",
+        str(out),
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError(f"nvcc failed on {src}:\n{r.stderr[-2000:]}")
@@ -53,7 +70,7 @@ def _anonymous_namespaces(ptx: str) -> str:
         if m.start() < pos:
             continue
         length = int(m.group(1))
-        out.append(ptx[pos:m.start()])
+        out.append(ptx[pos : m.start()])
         out.append("4ANON")
         pos = m.start(1) + len(m.group(1)) + length
     out.append(ptx[pos:])
@@ -84,8 +101,10 @@ def _compile_tree(tree: Path, archs: list[str], work: Path, jobs: int) -> dict[t
     tasks = [(src, arch) for src in sources for arch in archs]
     funcs: dict[tuple[str, str], str] = {}
     with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
-        futures = {pool.submit(_ptx, src, tree, gen, arch, work / f"{i}.ptx"): (src, arch)
-                   for i, (src, arch) in enumerate(tasks)}
+        futures = {
+            pool.submit(_ptx, src, tree, gen, arch, work / f"{i}.ptx"): (src, arch)
+            for i, (src, arch) in enumerate(tasks)
+        }
         for f in concurrent.futures.as_completed(futures):
             _, arch = futures[f]
             for name, body in _functions(f.result()).items():
@@ -102,8 +121,9 @@ def main() -> int:
     archs = args.arch or ["90", "80"]
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(tmp) / "base"
-        subprocess.run(["git", "worktree", "add", "--detach", str(base), args.base], cwd=ROOT, check=True,
-                       capture_output=True)
+        subprocess.run(
+            ["git", "worktree", "add", "--detach", str(base), args.base], cwd=ROOT, check=True, capture_output=True
+        )
         try:
             old = _compile_tree(base, archs, Path(tmp) / "w_old", args.jobs)
             new = _compile_tree(ROOT, archs, Path(tmp) / "w_new", args.jobs)
@@ -122,8 +142,10 @@ def main() -> int:
             continue
         bad += 1
     kernels = sum(1 for b in new.values() if ".entry" in b.split("(", 1)[0])
-    print(f"{len(new)} functions ({kernels} kernels) over {len(archs)} archs; "
-          f"{bad} differ or are missing against {args.base}")
+    print(
+        f"{len(new)} functions ({kernels} kernels) over {len(archs)} archs; "
+        f"{bad} differ or are missing against {args.base}"
+    )
     return 1 if bad else 0
 
 

@@ -27,6 +27,7 @@ block would change. A malformed block (no end marker, no ``cols=``, a column or 
 does not have) is an error: the block stays as it is and the exit status is 2. Only the Python
 standard library is used, so this runs anywhere the docs are edited.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -114,15 +115,15 @@ def render(csv_path: str, cols: list[str], where: list[tuple[str, list[str]]]) -
         rows = list(reader)
     missing = [c for c in cols + [w[0] for w in where] if c not in header]
     if missing:
-        raise BlockError(f"{os.path.basename(csv_path)} has no column {', '.join(missing)} "
-                         f"(it has: {', '.join(header)})")
+        raise BlockError(
+            f"{os.path.basename(csv_path)} has no column {', '.join(missing)} (it has: {', '.join(header)})"
+        )
     rows = [r for r in rows if all(any(same_value(r[c], v) for v in vs) for c, vs in where)]
     if not rows:
         raise BlockError(f"no row of {os.path.basename(csv_path)} passes the filter")
     cells = [[format_cell(r[c]) for c in cols] for r in rows]
     numeric = [all(r[c].strip() == "" or as_number(r[c]) is not None for r in rows) for c in cols]
-    lines = ["| " + " | ".join(cols) + " |",
-             "|" + "|".join("---:" if n else "---" for n in numeric) + "|"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---:" if n else "---" for n in numeric) + "|"]
     lines += ["| " + " | ".join(row) + " |" for row in cells]
     return lines
 
@@ -151,7 +152,7 @@ def process(path: str, csv_dir: str, check: bool) -> tuple[int, int]:
             errors += 1
             i = j
             continue
-        old = lines[start + 1:j]
+        old = lines[start + 1 : j]
         new = old
         try:
             csv_name, cols, filters = parse_spec(m.group("spec"))

@@ -4,6 +4,7 @@ Called by CMakeLists.txt at configure time. We read these facts from the torch t
 the extension instead of using TorchConfig.cmake, whose CUDA detection is slow and fragile with
 new toolkits.
 """
+
 import os
 
 import torch

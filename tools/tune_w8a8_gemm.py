@@ -22,6 +22,7 @@ The shapes are bench/shapes.py's ``GEMM_LAYERS``. Check the result with a held-o
 M values: ``python -m bench.bench_w8a8_gemm --sweep --no-anchors --tokens ...`` reports auto over
 best.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -68,8 +69,7 @@ def build_table(rows: list[dict], tolerance: float) -> list[dict]:
         prev = None
         for m, points in sorted(s["buckets"].items()):
             # each config's worst slowdown over the bucket's timed points
-            worst = {c: max(p[c] / min(p.values()) for p in points) for c in names
-                     if all(c in p for p in points)}
+            worst = {c: max(p[c] / min(p.values()) for p in points) for c in names if all(c in p for p in points)}
             pick = min(worst, key=worst.get)
             if prev is not None and prev in worst and worst[prev] <= worst[pick] * (1 + tolerance):
                 pick = prev
@@ -123,7 +123,7 @@ def sweep(layers, ms, out_dir, repeats: int = 1) -> list[dict]:
     path = os.path.join(out_dir, "tune_w8a8.csv")
     t0 = time.time()
     total = len(layers) * len(ms)
-    for li, (layer, n, k) in enumerate(layers):
+    for _li, (layer, n, k) in enumerate(layers):
         for m in ms:
             r = {"layer": layer, "M": m, "N": n, "K": k}
             names = table.config_names(m)  # the configs that serve m rows
@@ -148,18 +148,28 @@ def sweep(layers, ms, out_dir, repeats: int = 1) -> list[dict]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="bench/out")
-    p.add_argument("--from-csv", help="build the table from earlier sweeps (comma-separated CSVs) instead "
-                   "of timing")
+    p.add_argument("--from-csv", help="build the table from earlier sweeps (comma-separated CSVs) instead of timing")
     p.add_argument("--ms", help="comma-separated M values to time (default: both ends of every bucket)")
     p.add_argument("--layers", help="comma-separated layer names (default: all of bench/shapes.py's GEMM_LAYERS)")
     p.add_argument("--max-m", type=int, default=8192)
-    p.add_argument("--tolerance", type=float, default=0.03,
-                   help="keep the previous bucket's config if within this fraction of the best")
-    p.add_argument("--merge", metavar="JSON", help="keep this table's picks in every M bucket not timed now "
-                   "(re-tune some buckets, e.g. --max-m 16 after a decode kernel changed)")
+    p.add_argument(
+        "--tolerance",
+        type=float,
+        default=0.03,
+        help="keep the previous bucket's config if within this fraction of the best",
+    )
+    p.add_argument(
+        "--merge",
+        metavar="JSON",
+        help="keep this table's picks in every M bucket not timed now "
+        "(re-tune some buckets, e.g. --max-m 16 after a decode kernel changed)",
+    )
     p.add_argument("--repeats", type=int, default=1, help="time every point this many times, keep the median")
-    p.add_argument("--json", default=None, help=f"table to write (default: {DEFAULT_JSON} with --from-csv, "
-                   "else OUT/w8a8_tuned.json)")
+    p.add_argument(
+        "--json",
+        default=None,
+        help=f"table to write (default: {DEFAULT_JSON} with --from-csv, else OUT/w8a8_tuned.json)",
+    )
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
     if a.from_csv:
@@ -188,8 +198,11 @@ def main() -> int:
         device = torch.cuda.get_device_name()
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         ms = [int(x) for x in a.ms.split(",")] if a.ms else timed_ms(a.max_m)
-        print(f"device: {device} ({sms} SMs); {len(layers)} shapes x {len(ms)} M buckets x "
-              f"{len(table.config_names())} configs", flush=True)
+        print(
+            f"device: {device} ({sms} SMs); {len(layers)} shapes x {len(ms)} M buckets x "
+            f"{len(table.config_names())} configs",
+            flush=True,
+        )
         rows = sweep(layers, ms, a.out, a.repeats)
         with open(os.path.join(a.out, "tune_w8a8.meta.json"), "w") as f:
             json.dump({"device": device, "num_sms": sms}, f)
@@ -203,15 +216,22 @@ def main() -> int:
         if (old["device"], old["num_sms"]) != (device, sms):
             p.error(f"{a.merge} was tuned on {old['device']} ({old['num_sms']} SMs), not {device} ({sms} SMs)")
         shapes = merge_tables(shapes, old["shapes"], rows)
-    doc = {"about": "qops.w8a8_gemm config per (N, K) and M bucket, written by tools/tune_w8a8_gemm.py; "
-                    "used only on GPUs with num_sms SMs (other problems: SELECTION's rules)",
-           "device": device, "num_sms": sms, "tolerance": a.tolerance, "shapes": shapes}
+    doc = {
+        "about": "qops.w8a8_gemm config per (N, K) and M bucket, written by tools/tune_w8a8_gemm.py; "
+        "used only on GPUs with num_sms SMs (other problems: SELECTION's rules)",
+        "device": device,
+        "num_sms": sms,
+        "tolerance": a.tolerance,
+        "shapes": shapes,
+    }
     with open(json_path, "w") as f:
         json.dump(doc, f, indent=1)
         f.write("\n")
     for s in shapes:
-        print(f"{s['layer']:16s} N={s['n']:6d} K={s['k']:6d}: "
-              + ", ".join(f"<={m}:{c.split('_c')[0]}/{c.split('_')[-1][:6]}" for m, c in s["picks"]))
+        print(
+            f"{s['layer']:16s} N={s['n']:6d} K={s['k']:6d}: "
+            + ", ".join(f"<={m}:{c.split('_c')[0]}/{c.split('_')[-1][:6]}" for m, c in s["picks"])
+        )
     print(f"wrote {json_path}")
     return 0
 

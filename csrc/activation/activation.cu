@@ -34,7 +34,9 @@ struct ActParams {
 // silu(g) = g / (1 + e^-g): ex2.approx and a fast division (the contract allows one int8 step;
 // the quantizing division below stays IEEE). g -> -inf gives -0 (e^-g = inf), as does the
 // reference up to sign; NaN stays NaN.
-__device__ __forceinline__ float silu(float g) { return __fdividef(g, 1.0f + __expf(-g)); }
+__device__ __forceinline__ float silu(float g) {
+  return __fdividef(g, 1.0f + __expf(-g));
+}
 
 template <typename T, int VEC, int NV>
 __global__ void __launch_bounds__(fq::max_threads_for(NV* VEC), fq::min_blocks_for(NV* VEC))
@@ -133,8 +135,9 @@ cudaError_t launch(const ActParams& p, const fq::RowShape& sh, cudaStream_t stre
 
 template <typename T, int VEC>
 cudaError_t dispatch_nv(const ActParams& p, const fq::RowShape& sh, cudaStream_t stream) {
-  return fq::dispatch_vec_per_thread<VEC>(
-      sh.vec_per_thread, [&](auto nv) { return launch<T, VEC, decltype(nv)::value>(p, sh, stream); });
+  return fq::dispatch_vec_per_thread<VEC>(sh.vec_per_thread, [&](auto nv) {
+    return launch<T, VEC, decltype(nv)::value>(p, sh, stream);
+  });
 }
 
 }  // namespace
@@ -156,11 +159,11 @@ cudaError_t silu_and_mul_quant(const T* in, int64_t in_row_stride, int8_t* out, 
   const fq::DeviceInfo dev = fq::device_info();
   fq::ShapeHints hints{tuning.threads_per_row_target, tuning.cluster};
   fq::RowShape sh;
-  const bool ok = vec_ok ? fq::choose_row_shape_or_default(rows, inter / VEC, VEC,
-                                                           2 * inter * kBytes, 8, dev.clusters,
-                                                           dev.sms, hints, &sh)
-                         : fq::choose_row_shape(rows, inter, 1, 2 * inter * kBytes, 32, false,
-                                                dev.sms, fq::ShapeHints{512, 1}, &sh);
+  const bool ok = vec_ok
+                      ? fq::choose_row_shape_or_default(rows, inter / VEC, VEC, 2 * inter * kBytes,
+                                                        8, dev.clusters, dev.sms, hints, &sh)
+                      : fq::choose_row_shape(rows, inter, 1, 2 * inter * kBytes, 32, false, dev.sms,
+                                             fq::ShapeHints{512, 1}, &sh);
   if (!ok) return cudaErrorInvalidValue;
   sh.pdl = tuning.pdl;
   const int64_t nvec = inter / sh.vec;
@@ -176,7 +179,7 @@ cudaError_t silu_and_mul_quant(const T* in, int64_t in_row_stride, int8_t* out, 
   return vec_ok ? dispatch_nv<T, VEC>(p, sh, stream) : dispatch_nv<T, 1>(p, sh, stream);
 }
 
-#define QOPS_INSTANTIATE(T)                                                                  \
+#define QOPS_INSTANTIATE(T)                                                                    \
   template cudaError_t silu_and_mul_quant<T>(const T*, int64_t, int8_t*, float*, const float*, \
                                              int64_t, int64_t, cudaStream_t, FusedQuantTuning);
 QOPS_INSTANTIATE(__half)

@@ -28,13 +28,13 @@
 #include "attention/paged_decode_int8.h"
 
 #include "attention/split_merge.cuh"  // merge_weight, merge_add4, merge_inv, ..., store_out4
-#include "common/cluster.cuh"            // cluster barriers, dsmem_addr, mbarriers, st_async4/1
-#include "common/convert.cuh"            // to_float, from_float
-#include "common/cp_async.cuh"           // cp_async16, cp_async_commit, cp_async_wait, smem_addr
+#include "common/cluster.cuh"         // cluster barriers, dsmem_addr, mbarriers, st_async4/1
+#include "common/convert.cuh"         // to_float, from_float
+#include "common/cp_async.cuh"        // cp_async16, cp_async_commit, cp_async_wait, smem_addr
 #include "common/device_cache.h"
-#include "common/launch.cuh"             // pdl_wait, pdl_launch_dependents, append_pdl_attribute
-#include "common/math.cuh"               // fast_exp2
-#include "common/mma.cuh"                // mma_f16, int8 -> fp16 fragments, movmatrix, pack_f16x2
+#include "common/launch.cuh"  // pdl_wait, pdl_launch_dependents, append_pdl_attribute
+#include "common/math.cuh"    // fast_exp2
+#include "common/mma.cuh"     // mma_f16, int8 -> fp16 fragments, movmatrix, pack_f16x2
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -84,7 +84,9 @@ struct Chunk {
 // conflicts (D=128; the D=64 V reads are 2-way).
 // (cp_async16 / cp_async_commit / cp_async_wait: common/cp_async.cuh.)
 
-__device__ __forceinline__ int swz(int r) { return ((r & 1) << 2) ^ (((r >> 1) & 3) << 1); }
+__device__ __forceinline__ int swz(int r) {
+  return ((r & 1) << 2) ^ (((r >> 1) & 3) << 1);
+}
 
 template <int D>
 struct Stage {
@@ -125,7 +127,8 @@ constexpr int kRecvUnits = (kTwoRows ? 16 : 8) * D / 4 + kPagedDecodeMaxClusterS
 
 template <int D, bool kTwoRows, int NW>
 constexpr int kBaseSmemBytes =
-    kPipeBytes<D, NW> > kMergeBytes<D, kTwoRows, NW> ? kPipeBytes<D, NW> : kMergeBytes<D, kTwoRows, NW>;
+    kPipeBytes<D, NW> > kMergeBytes<D, kTwoRows, NW> ? kPipeBytes<D, NW>
+                                                     : kMergeBytes<D, kTwoRows, NW>;
 
 template <int D, bool kTwoRows, int NW, bool kCluster>
 constexpr int kSmemBytes =
@@ -141,9 +144,9 @@ __global__ void __launch_bounds__(NW * 32, kMinBlocksPerSm<D, kTwoRows, NW>)
     paged_decode_int8_kernel(const PagedDecodeInt8Params p) {
   constexpr int kWarps = NW;
   constexpr int kThreads = NW * 32;
-  constexpr int KC = D / 16;  // k-steps of Q K^T
-  constexpr int DPT = D / 8;  // V bytes per token row a thread reads
-  constexpr int MT = D / 16;  // m-tiles of V^T P^T
+  constexpr int KC = D / 16;            // k-steps of Q K^T
+  constexpr int DPT = D / 8;            // V bytes per token row a thread reads
+  constexpr int MT = D / 16;            // m-tiles of V^T P^T
   constexpr int NH = kTwoRows ? 2 : 1;  // n-tiles (8 query heads each) of V^T P^T
   constexpr int KW = D / 64;
   constexpr int kRows = kTwoRows ? 16 : 8;
@@ -438,7 +441,7 @@ __global__ void __launch_bounds__(NW * 32, kMinBlocksPerSm<D, kTwoRows, NW>)
   // One main-loop step: NC chunks (c[q]: chunk index, x[q]: its fragments; x[q].ok false for a
   // chunk past this warp's range, which then counts for nothing). Their scores share one rescale
   // vote and one max reduction, and their S^T and P V products are independent chains.
-  auto compute = [&](const Chunk<D> (&x)[NC], const int (&c)[NC]) {
+  auto compute = [&](const Chunk<D>(&x)[NC], const int (&c)[NC]) {
     // S^T = K Q^T for each chunk's 16 tokens (m: token gid (regs 0, 1) and gid + 8 (regs 2, 3))
     // and the query heads (n: 8h + 2*t4 + {0 (regs 0, 2), 1 (regs 1, 3)}); K's int8 rows gid and
     // gid + 8 convert exactly to the A fragments.
@@ -592,7 +595,7 @@ __global__ void __launch_bounds__(NW * 32, kMinBlocksPerSm<D, kTwoRows, NW>)
   // ---- the main loop: chunks i .. i + NC - 1 per step, S - NC more in flight
   {
     auto wrap = [](int st) { return st >= S ? st - S : st; };  // st < 2 S
-    int st = 0;  // the stage of chunk i
+    int st = 0;                                                // the stage of chunk i
     for (int i = 0; i < my_n; i += NC) {
 #pragma unroll
       for (int q = 0; q < NC; ++q) {  // into the stages of the previous step's chunks
@@ -623,9 +626,10 @@ __global__ void __launch_bounds__(NW * 32, kMinBlocksPerSm<D, kTwoRows, NW>)
   __syncthreads();  // the pipeline's shared memory becomes the merge buffer
 
   // ---- merge the warps
-  auto s_o = reinterpret_cast<float(*)[kRows][D + kPad]>(smem);
-  auto s_m = reinterpret_cast<float(*)[16]>(smem + kWarps * kRows * (D + kPad) * 4);
-  auto s_l = reinterpret_cast<float(*)[16]>(smem + kWarps * kRows * (D + kPad) * 4 + kWarps * 16 * 4);
+  auto s_o = reinterpret_cast<float (*)[kRows][D + kPad]>(smem);
+  auto s_m = reinterpret_cast<float (*)[16]>(smem + kWarps * kRows * (D + kPad) * 4);
+  auto s_l =
+      reinterpret_cast<float (*)[16]>(smem + kWarps * kRows * (D + kPad) * 4 + kWarps * 16 * 4);
 #pragma unroll
   for (int h = 0; h < NH; ++h)
 #pragma unroll
@@ -745,8 +749,9 @@ __global__ void __launch_bounds__(NW * 32, kMinBlocksPerSm<D, kTwoRows, NW>)
       const float inv = merge_inv(wsum);
 #pragma unroll
       for (int e = 0; e < kUnit; ++e) acc[e] = merge_finish(acc[e], inv);
-      store_out4(static_cast<T*>(p.out) + (static_cast<int64_t>(b) * p.num_q_heads + h0 + row) * D + d0,
-                 acc);
+      store_out4(
+          static_cast<T*>(p.out) + (static_cast<int64_t>(b) * p.num_q_heads + h0 + row) * D + d0,
+          acc);
     }
 #endif
     return;
@@ -842,10 +847,9 @@ __global__ void __launch_bounds__(NW * 32, kMinBlocksPerSm<D, kTwoRows, NW>)
 // ---- the split merge: one warp per (sequence, query head) ----------------------------------------
 // (The merge arithmetic, shared with the fused and the cluster merge: attention/split_merge.cuh.)
 template <typename T, int D>
-__global__ void __launch_bounds__(128) paged_decode_int8_reduce_kernel(const float* partial_out,
-                                                                       const float* partial_lse,
-                                                                       T* out, int rows,
-                                                                       int num_splits) {
+__global__ void __launch_bounds__(128)
+    paged_decode_int8_reduce_kernel(const float* partial_out, const float* partial_lse, T* out,
+                                    int rows, int num_splits) {
   constexpr int E = D / 32;
   const int lane = threadIdx.x & 31;
   const int row = blockIdx.x * 4 + (threadIdx.x >> 5);
@@ -928,8 +932,7 @@ cudaError_t split_config(const PagedDecodeInt8Params& p, const DeviceProps& prop
 // cluster-merge configuration can be resident at once (0: it cannot launch) and launches nothing.
 template <typename T, int D, bool kTwoRows, bool kStatic, int NW>
 cudaError_t launch_split(const PagedDecodeInt8Params& p, const DeviceProps& props, dim3 grid,
-                         cudaStream_t stream,
-                         int* max_clusters) {
+                         cudaStream_t stream, int* max_clusters) {
   cudaLaunchConfig_t cfg;
   cudaLaunchAttribute attrs[2];
   if ((p.cluster_merge && p.num_splits > 1) || max_clusters != nullptr) {
@@ -940,8 +943,8 @@ cudaError_t launch_split(const PagedDecodeInt8Params& p, const DeviceProps& prop
     if (max_clusters != nullptr) return cudaOccupancyMaxActiveClusters(max_clusters, kernel, &cfg);
     return cudaLaunchKernelEx(&cfg, kernel, p);
   }
-  cudaError_t err = split_config<T, D, kTwoRows, kStatic, NW, false>(p, props, grid, stream, &cfg,
-                                                                     attrs);
+  cudaError_t err =
+      split_config<T, D, kTwoRows, kStatic, NW, false>(p, props, grid, stream, &cfg, attrs);
   if (err != cudaSuccess) return err;
   return cudaLaunchKernelEx(&cfg, paged_decode_int8_kernel<T, D, kTwoRows, kStatic, NW, false>, p);
 }
@@ -996,7 +999,9 @@ cudaError_t dispatch_dim(const PagedDecodeInt8Params& p, cudaStream_t stream, in
 
 // Head groups per kv head: one with G <= 8 query heads per kv head, else groups of 16 (the
 // kernel's kTwoRows build). The host side of the grid's y = num_kv_heads * head_groups.
-int64_t head_groups(int G) { return G > 8 ? (G + 15) / 16 : 1; }
+int64_t head_groups(int G) {
+  return G > 8 ? (G + 15) / 16 : 1;
+}
 
 bool valid_params(const PagedDecodeInt8Params& p) {
   return !((p.head_dim != 64 && p.head_dim != 128) || p.num_kv_heads <= 0 ||
@@ -1042,8 +1047,8 @@ int paged_decode_int8_num_splits(int batch, int num_q_heads, int num_kv_heads, i
   if (cluster_merge && s > kPagedDecodePortableClusterSplits) {
     if (ctas * kPagedDecodeMaxClusterSplits > sms) {
       s = kPagedDecodePortableClusterSplits;
-    } else if (max_context <= static_cast<int64_t>(kPagedDecodeMaxClusterSplits) *
-                                  kClusterFitTokens) {
+    } else if (max_context <=
+               static_cast<int64_t>(kPagedDecodeMaxClusterSplits) * kClusterFitTokens) {
       s = std::min<int64_t>(s, kPagedDecodeMaxClusterSplits);
     } else {  // the workspace merge's own floor (SmolLM2 B = 1, T = 16384: 128 splits 16.8 us)
       s = std::min<int64_t>(s, (max_context + kMinTokensPerSplit - 1) / kMinTokensPerSplit);
@@ -1081,8 +1086,7 @@ bool paged_decode_int8_cluster_merge_fits(const PagedDecodeInt8Params& q) {
   // launch picks depends on the dtype, D, the head grouping, static scales, and whether the grid
   // has at most one CTA per SM (8 warps) or not (4 warps).
   const int G = p.num_q_heads / p.num_kv_heads;
-  const int key = ((((p.bf16 * 2 + (p.head_dim == 128)) * 2 + (G > 8)) * 2 + p.static_scales) *
-                       2 +
+  const int key = ((((p.bf16 * 2 + (p.head_dim == 128)) * 2 + (G > 8)) * 2 + p.static_scales) * 2 +
                    (decode_warps(p.warps, ctas, props.sms) == 8)) *
                       32 +
                   p.num_splits;
@@ -1093,16 +1097,17 @@ bool paged_decode_int8_cluster_merge_fits(const PagedDecodeInt8Params& q) {
   // a configuration that cannot launch counts as "does not fit".
   static const int tag = 0;
   int clusters = 0;
-  if (cached_device_int(&tag, key,
-                        [&](int, int* c) {
-                          if ((p.bf16 ? dispatch_dim<__nv_bfloat16>(p, nullptr, c)
-                                      : dispatch_dim<__half>(p, nullptr, c)) != cudaSuccess) {
-                            cudaGetLastError();
-                            *c = 0;  // not launchable: remembered as "fits none"
-                          }
-                          return cudaSuccess;
-                        },
-                        &clusters) != cudaSuccess)
+  if (cached_device_int(
+          &tag, key,
+          [&](int, int* c) {
+            if ((p.bf16 ? dispatch_dim<__nv_bfloat16>(p, nullptr, c)
+                        : dispatch_dim<__half>(p, nullptr, c)) != cudaSuccess) {
+              cudaGetLastError();
+              *c = 0;  // not launchable: remembered as "fits none"
+            }
+            return cudaSuccess;
+          },
+          &clusters) != cudaSuccess)
     return false;
   return clusters >= clusters_needed;
 }
@@ -1111,8 +1116,8 @@ int paged_decode_int8_fit_cluster_splits(const PagedDecodeInt8Params& q, int max
   const int s = q.num_splits;
   if (s < 3 || s > kPagedDecodeMaxClusterSplits) return s;
   // down to three quarters of s, or, past a portable cluster, to a portable cluster
-  const int lowest = s > kPagedDecodePortableClusterSplits ? kPagedDecodePortableClusterSplits
-                                                           : (3 * s + 3) / 4;
+  const int lowest =
+      s > kPagedDecodePortableClusterSplits ? kPagedDecodePortableClusterSplits : (3 * s + 3) / 4;
   // Measured on H100 (Llama-2-7B MHA at B = 1, 32 clusters; 4-CTA clusters of the one-CTA-per-SM
   // kernel do not all fit, 3-CTA ones do): T = 4096, 3 splits in clusters 17.8 us, 4 through the
   // workspace 19.0 us; T = 16384: 57.7 against 55.0 us, so long contexts keep the splits.

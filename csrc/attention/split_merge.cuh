@@ -22,8 +22,12 @@ namespace attention {
 // (ex2.approx, rcp.approx: relative errors near 2^-22): the IEEE-exact library versions cost a
 // range check, a slow-path branch and a call per element on the merge's critical path, which at
 // small batch is as long as the stream itself.
-__device__ __forceinline__ float merge_weight(float lse, float m) { return fast_exp2(lse - m); }
-__device__ __forceinline__ void merge_add(float& acc, float w, float v) { acc = __fmaf_rn(w, v, acc); }
+__device__ __forceinline__ float merge_weight(float lse, float m) {
+  return fast_exp2(lse - m);
+}
+__device__ __forceinline__ void merge_add(float& acc, float w, float v) {
+  acc = __fmaf_rn(w, v, acc);
+}
 __device__ __forceinline__ void merge_add4(float (&acc)[4], float w, const float4& v) {
   merge_add(acc[0], w, v.x);
   merge_add(acc[1], w, v.y);
@@ -33,7 +37,9 @@ __device__ __forceinline__ void merge_add4(float (&acc)[4], float w, const float
 __device__ __forceinline__ float merge_inv(float wsum) {
   return wsum > 0.f ? __fdividef(1.f, wsum) : 0.f;  // wsum <= num_splits
 }
-__device__ __forceinline__ float merge_finish(float acc, float inv) { return acc * inv; }
+__device__ __forceinline__ float merge_finish(float acc, float inv) {
+  return acc * inv;
+}
 
 // Four consecutive outputs as one 8-byte store (p + 4 i: 8-byte aligned).
 template <typename T>

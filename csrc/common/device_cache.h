@@ -40,8 +40,8 @@ struct DeviceProps {
   int sms = 0;
   int cc_major = 0;
   int cc_minor = 0;
-  int smem_per_sm = 0;       // shared memory of one SM, bytes
-  int smem_per_block = 0;    // the most one CTA may opt in to, bytes
+  int smem_per_sm = 0;     // shared memory of one SM, bytes
+  int smem_per_block = 0;  // the most one CTA may opt in to, bytes
 };
 
 namespace device_cache_detail {

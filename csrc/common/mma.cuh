@@ -56,8 +56,9 @@ __device__ __forceinline__ uint32_t i8pair_to_f16x2(uint32_t ua, uint32_t ub) {
   const uint32_t magic = 0x64806480u;  // half2(1152, 1152)
   uint32_t h;
   // h = (perm & 0x00FF00FF) ^ magic
-  asm("lop3.b32 %0, %1, %2, %3, 0x6a;" : "=r"(h) : "r"(__byte_perm(ua, ub, kSel)), "n"(0x00FF00FF),
-      "r"(magic));
+  asm("lop3.b32 %0, %1, %2, %3, 0x6a;"
+      : "=r"(h)
+      : "r"(__byte_perm(ua, ub, kSel)), "n"(0x00FF00FF), "r"(magic));
   asm("sub.f16x2 %0, %0, %1;" : "+r"(h) : "r"(magic));
   return h;
 }

@@ -24,9 +24,9 @@
 
 #include "common/cp_async.cuh"  // cp_async4, cp_async_commit, cp_async_wait, smem_addr
 #include "common/device_cache.h"
-#include "common/launch.cuh"    // pdl_wait, pdl_launch_dependents, launch_kernel
-#include "common/memory.cuh"    // load_stream, load_cached
-#include "common/mma.cuh"       // mma_s8
+#include "common/launch.cuh"  // pdl_wait, pdl_launch_dependents, launch_kernel
+#include "common/memory.cuh"  // load_stream, load_cached
+#include "common/mma.cuh"     // mma_s8
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -83,8 +83,13 @@ struct EpiPair {
   int i, l, j, h, m, n;
   bool ok;
   __device__ __forceinline__ EpiPair(int t, int n0, const Params& p)
-      : i(t), l(t % 32), j((t / 32) % J), h(t / (32 * J)), m(l / 4 + 8 * h),
-        n(n0 + 8 * j + 2 * (l % 4)), ok(t < kPairs && m < p.m && n < p.n) {}
+      : i(t),
+        l(t % 32),
+        j((t / 32) % J),
+        h(t / (32 * J)),
+        m(l / 4 + 8 * h),
+        n(n0 + 8 * j + 2 * (l % 4)),
+        ok(t < kPairs && m < p.m && n < p.n) {}
 };
 
 // A pair's epilogue operands: (acc * sa) * sb[0|1] + bias[0|1].
@@ -234,8 +239,7 @@ __global__ void __launch_bounds__(kWarps * 32) w8a8_gemv_kernel(const Params p) 
   constexpr int kCap = early_load_cap(kM16, J);
   constexpr bool kWholeBatch =
       kM16 ? J == 2 && kEarly == 1 && U * J == kCap : kWarps == 4 && kEarly * U * J == kCap;
-  auto mma_batch = [&](const uint4 (&x)[U], const uint4 (&y)[U], const uint4 (&w)[U][J],
-                       bool whole) {
+  auto mma_batch = [&](const uint4(&x)[U], const uint4(&y)[U], const uint4(&w)[U][J], bool whole) {
     if (whole) {
       uint32_t any = 0;
 #pragma unroll
@@ -386,7 +390,7 @@ cudaError_t launch_shape_from(const Params& p, GemvShape s, bool pdl, int early,
                   "GEMV_SHAPES: rows a multiple of 8, warps a multiple of 4, at least 2 chunks");
     if (s.rows_per_cta == k.rows_per_cta && s.warps == k.warps && s.chunks == k.chunks) {
       return launch_variant<k.rows_per_cta / 8, k.chunks, k.warps, kM16, OutT>(p, pdl, early,
-                                                                             stream, resident);
+                                                                               stream, resident);
     }
     return launch_shape_from<I + 1, kM16, OutT>(p, s, pdl, early, stream, resident);
   }
@@ -415,7 +419,8 @@ cudaError_t launch_build(const Params& p, GemvShape s, bool m16, bool fp16, bool
 int resident_ctas(GemvShape s, bool m16, bool fp16, int early) {
   static const int tag = 0;  // this function's questions in the device cache
   const int64_t key =
-      ((((int64_t{s.rows_per_cta} * 64 + s.warps) * 64 + s.chunks) * 2 + m16) * 2 + fp16) * 4 + early;
+      ((((int64_t{s.rows_per_cta} * 64 + s.warps) * 64 + s.chunks) * 2 + m16) * 2 + fp16) * 4 +
+      early;
   int r = 0;
   const cudaError_t err = cached_device_int(
       &tag, key,
@@ -472,7 +477,9 @@ bool two_row_groups_early(const Problem& pr, GemvShape s, bool fp16, int sm_coun
   return plain > 0 && two > 0 && two <= plain;
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+bool aligned16(const void* p) {
+  return reinterpret_cast<uintptr_t>(p) % 16 == 0;
+}
 
 }  // namespace
 
@@ -520,8 +527,18 @@ cudaError_t gemv(const Problem& pr, const LaunchOptions& options, int sm_count, 
     s = gemv_shape(pr.m, pr.n, pr.k, sm_count, resident_ctas(GemvShape{8, 4, 4}, m16, fp16, 0),
                    resident_ctas(GemvShape{8, 4, 8}, m16, fp16, 0));
   }
-  const Params p{pr.a,       pr.lda,   pr.b,   pr.ldb, pr.a_scale, pr.b_scale,
-                 pr.bias,    pr.d,     pr.ldd, pr.m,   pr.n,       pr.k,
+  const Params p{pr.a,
+                 pr.lda,
+                 pr.b,
+                 pr.ldb,
+                 pr.a_scale,
+                 pr.b_scale,
+                 pr.bias,
+                 pr.d,
+                 pr.ldd,
+                 pr.m,
+                 pr.n,
+                 pr.k,
                  pr.scale_mode == ScaleMode::kPerTensor};
   const bool pdl = options.pdl, promise = pdl && options.overlap_prologue;
   int early = promise ? early_batches(pr, s, m16, fp16, sm_count, t.early_batches) : 0;

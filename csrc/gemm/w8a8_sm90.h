@@ -24,16 +24,16 @@ enum class OutDtype : int { kFloat16 = 0, kBFloat16 = 1 };
 enum class ScaleMode : int { kPerTensor = 0, kPerTokenPerChannel = 1 };
 
 struct Problem {
-  const int8_t* a;       // [m, k], row r at a + r * lda; 16-byte aligned, lda % 16 == 0
+  const int8_t* a;  // [m, k], row r at a + r * lda; 16-byte aligned, lda % 16 == 0
   int64_t lda;
-  const int8_t* b;       // [n, k] (K-major, the nn.Linear weight), row stride ldb; as a
+  const int8_t* b;  // [n, k] (K-major, the nn.Linear weight), row stride ldb; as a
   int64_t ldb;
   const float* a_scale;  // see ScaleMode; 16-byte aligned
   const float* b_scale;
-  const void* bias;      // [n] in the output dtype, or nullptr (no bias)
-  void* d;               // [m, n], row stride ldd; 16-byte aligned, ldd % 8 == 0
+  const void* bias;  // [n] in the output dtype, or nullptr (no bias)
+  void* d;           // [m, n], row stride ldd; 16-byte aligned, ldd % 8 == 0
   int64_t ldd;
-  int m, n, k;           // k % 16 == 0, n % 8 == 0
+  int m, n, k;  // k % 16 == 0, n % 8 == 0
   OutDtype out_dtype;
   ScaleMode scale_mode;
   void* workspace;         // device scratch of at least workspace_size() bytes (stream-K configs)

@@ -63,7 +63,8 @@ __device__ __forceinline__ float group_amax(const float (&x)[kElems]) {
 }
 
 template <typename T, int LPR, bool kAligned, bool kStatic>
-__global__ void __launch_bounds__(kThreads) reshape_and_cache_int8_kernel(ReshapeAndCacheInt8Params p) {
+__global__ void __launch_bounds__(kThreads)
+    reshape_and_cache_int8_kernel(ReshapeAndCacheInt8Params p) {
   pdl_wait();  // the previous kernel may write the keys, values, slots (common/launch.cuh)
   pdl_launch_dependents();
   const int lane_in_row = threadIdx.x % LPR;
@@ -94,7 +95,8 @@ __global__ void __launch_bounds__(kThreads) reshape_and_cache_int8_kernel(Reshap
 #pragma unroll
   for (int i = 0; i < kElems; ++i) xk[i] = xv[i] = 0.f;
   if (active) {
-    const T* kp = static_cast<const T*>(p.key) + token * p.key_stride_t + head * p.key_stride_h + col;
+    const T* kp =
+        static_cast<const T*>(p.key) + token * p.key_stride_t + head * p.key_stride_h + col;
     const T* vp =
         static_cast<const T*>(p.value) + token * p.value_stride_t + head * p.value_stride_h + col;
     load16<T, kAligned>(kp, xk);

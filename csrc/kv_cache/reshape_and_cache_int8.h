@@ -27,7 +27,7 @@ struct ReshapeAndCacheInt8Params {
   bool static_scales;
   const int64_t* slot_mapping;
   int num_tokens, num_heads, head_dim, block_size, num_blocks;
-  bool bf16;  // key/value dtype: bfloat16 (true) or float16 (false)
+  bool bf16;    // key/value dtype: bfloat16 (true) or float16 (false)
   bool no_pdl;  // launch without programmatic dependent launch (common/launch.cuh)
 };
 

@@ -58,12 +58,11 @@ cudaError_t rms_norm_quant(const T* in, int64_t in_row_stride, T* residual,
   }
   constexpr int VEC = 16 / sizeof(T);
   constexpr int64_t kBytes = sizeof(T);
-  const bool vec_ok =
-      hidden % VEC == 0 && is_aligned(in, 16) && (in_row_stride * kBytes) % 16 == 0 &&
-      is_aligned(weight, 16) &&
-      (residual == nullptr ||
-       (is_aligned(residual, 16) && (residual_row_stride * kBytes) % 16 == 0)) &&
-      is_aligned(out, 8);
+  const bool vec_ok = hidden % VEC == 0 && is_aligned(in, 16) &&
+                      (in_row_stride * kBytes) % 16 == 0 && is_aligned(weight, 16) &&
+                      (residual == nullptr ||
+                       (is_aligned(residual, 16) && (residual_row_stride * kBytes) % 16 == 0)) &&
+                      is_aligned(out, 8);
   const fq::DeviceInfo dev = fq::device_info();
   const norm::RmsNormArgs<T> args{in,     in_row_stride, residual,  residual_row_stride,
                                   weight, out,           scale_out, static_scale,
@@ -79,7 +78,7 @@ cudaError_t rms_norm_quant(const T* in, int64_t in_row_stride, T* residual,
   return norm::rms_norm_quant_rowres<T>(args, vec_ok, dev, tuning, stream);
 }
 
-#define QOPS_INSTANTIATE(T)                                                                  \
+#define QOPS_INSTANTIATE(T)                                                                 \
   template cudaError_t rms_norm_quant<T>(const T*, int64_t, T*, int64_t, const T*, int8_t*, \
                                          float*, const float*, int64_t, int64_t, float,     \
                                          cudaStream_t, FusedQuantTuning);

@@ -41,7 +41,7 @@ struct NormParams {
 // The pipelined kernel's vectors per thread (norm_pipelined.cu), and the rows it gives one warp:
 // those the launcher's rule (norm.cu) sends to it at any size, and above which the row-resident
 // launcher's kTight hint (norm_rowres.cu) starts.
-constexpr int kPipeMaxNV = 4;           // vectors per thread (32 floats of p at VEC = 8)
+constexpr int kPipeMaxNV = 4;  // vectors per thread (32 floats of p at VEC = 8)
 constexpr int64_t kPipeOneWarpVectors = 32 * kPipeMaxNV;  // choose_pipe_shape: one warp per row
 
 }  // namespace

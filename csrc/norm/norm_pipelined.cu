@@ -131,9 +131,9 @@ __device__ __forceinline__ void pipe_rows(const NormParams& p, uint4* ring_base,
   const uint32_t kstep = static_cast<uint32_t>(tpr) * 16u;  // bytes between a thread's vectors
   // This thread's slot 0 of stage 0 (32-bit shared address); slot k of stage st of array a at
   // + st * stage_bytes + a * nvec * 16 + k * kstep.
-  const uint32_t ring =
-      static_cast<uint32_t>(__cvta_generic_to_shared(ring_base)) +
-      static_cast<uint32_t>(grp) * S * stage_bytes + static_cast<uint32_t>(tid) * 16u;
+  const uint32_t ring = static_cast<uint32_t>(__cvta_generic_to_shared(ring_base)) +
+                        static_cast<uint32_t>(grp) * S * stage_bytes +
+                        static_cast<uint32_t>(tid) * 16u;
   const char* xt = static_cast<const char*>(p.in) + tid * 16;
   char* rt = kRes ? static_cast<char*>(p.residual) + tid * 16 : nullptr;
   const char* wt = static_cast<const char*>(p.weight) + tid * 16;
@@ -359,11 +359,16 @@ PipeKernel pipe_kernel_nv(int stages, bool res) {
 template <typename T>
 PipeKernel pipe_kernel(int nv, int stages, bool res) {
   switch (nv) {
-    case 1: return pipe_kernel_nv<T, 1>(stages, res);
-    case 2: return pipe_kernel_nv<T, 2>(stages, res);
-    case 3: return pipe_kernel_nv<T, 3>(stages, res);
-    case 4: return pipe_kernel_nv<T, 4>(stages, res);
-    default: return nullptr;
+    case 1:
+      return pipe_kernel_nv<T, 1>(stages, res);
+    case 2:
+      return pipe_kernel_nv<T, 2>(stages, res);
+    case 3:
+      return pipe_kernel_nv<T, 3>(stages, res);
+    case 4:
+      return pipe_kernel_nv<T, 4>(stages, res);
+    default:
+      return nullptr;
   }
 }
 
@@ -378,8 +383,8 @@ cudaError_t pipe_blocks_per_sm(PipeKernel fn, int threads, size_t smem, int* blo
         *b = 0;
         int optin = 0;
         cudaError_t e;
-        if ((e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin,
-                                        device)) != cudaSuccess)
+        if ((e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device)) !=
+            cudaSuccess)
           return e;
         cudaFuncAttributes attr;
         if ((e = cudaFuncGetAttributes(&attr, fn)) != cudaSuccess) return e;
@@ -435,10 +440,18 @@ template <typename T>
 cudaError_t rms_norm_quant_pipelined(const RmsNormArgs<T>& a, const FusedQuantTuning& tuning,
                                      int sms, cudaStream_t stream, bool* launched) {
   constexpr int VEC = 16 / sizeof(T);
-  const NormParams pp{a.in,     a.in_row_stride, a.residual,    a.residual_row_stride,
-                      a.weight, a.out,           a.scale_out,   a.static_scale,
-                      a.rows,   static_cast<int>(a.hidden),     1,  // cluster (unused)
-                      static_cast<int>(a.hidden / VEC),             // slice (unused)
+  const NormParams pp{a.in,
+                      a.in_row_stride,
+                      a.residual,
+                      a.residual_row_stride,
+                      a.weight,
+                      a.out,
+                      a.scale_out,
+                      a.static_scale,
+                      a.rows,
+                      static_cast<int>(a.hidden),
+                      1,                                 // cluster (unused)
+                      static_cast<int>(a.hidden / VEC),  // slice (unused)
                       a.eps};
   return try_launch_pipelined<T>(pp, tuning, sms, stream, launched);
 }

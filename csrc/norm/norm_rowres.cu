@@ -37,7 +37,9 @@ using fq::Vec;
 __host__ __device__ constexpr int norm_max_threads(int elems_per_thread) {
   return elems_per_thread <= 16 ? 1024 : (elems_per_thread <= 64 ? 512 : 256);
 }
-int norm_max_threads_host(int e) { return norm_max_threads(e); }
+int norm_max_threads_host(int e) {
+  return norm_max_threads(e);
+}
 
 // The kTight build: no residual, 2 vectors (16 elements) per thread, blocks of at most 512
 // threads, bounded at (512, 3) = 40 registers without spills (ptxas -v, sm_90, CUDA 13.0), where
@@ -94,7 +96,7 @@ __device__ __forceinline__ void store_row_p(int8_t* o, const float (&pz)[NV][VEC
 // otherwise evict the weight, which every row re-reads from L1 (4096 x 4096 bf16: 24.5 -> 21.4 us;
 // with a residual it measured 0-2% slower at the Llama sizes, so the fused add keeps plain loads).
 template <typename T, int VEC, int NV, bool kRes, bool kTight = false>
-__global__ void __launch_bounds__(kTight ? kTightThreads : norm_max_threads(NV* VEC),
+__global__ void __launch_bounds__(kTight ? kTightThreads : norm_max_threads(NV * VEC),
                                   kTight ? kTightMinBlocks : 1)
     rms_norm_quant_kernel(const NormParams p) {
   static_assert(!kTight || (!kRes && NV * VEC == kTightElems), "kTight: no residual, 16 elements");
@@ -261,8 +263,9 @@ cudaError_t launch(const NormParams& p, const fq::RowShape& sh, cudaStream_t str
 
 template <typename T, int VEC>
 cudaError_t dispatch_nv(const NormParams& p, const fq::RowShape& sh, cudaStream_t stream) {
-  return fq::dispatch_vec_per_thread<VEC>(
-      sh.vec_per_thread, [&](auto nv) { return launch<T, VEC, decltype(nv)::value>(p, sh, stream); });
+  return fq::dispatch_vec_per_thread<VEC>(sh.vec_per_thread, [&](auto nv) {
+    return launch<T, VEC, decltype(nv)::value>(p, sh, stream);
+  });
 }
 
 }  // namespace
@@ -284,27 +287,21 @@ cudaError_t rms_norm_quant_rowres(const RmsNormArgs<T>& a, bool vec_ok, const fq
       rows > dev.sms && nvec_all > kPipeOneWarpVectors && nvec_all <= 2 * kTightThreads)
     hints.target_tpr = static_cast<int>((nvec_all + 63) / 64 * 32);
   fq::RowShape sh;
-  const bool ok =
-      vec_ok ? fq::choose_row_shape_or_default(rows, hidden / VEC, VEC, hidden * kBytes, 8,
-                                               dev.clusters, dev.sms, hints, &sh,
-                                               norm_max_threads_host)
-             : fq::choose_row_shape(rows, hidden, 1, hidden * kBytes, 32, false, dev.sms,
-                                    fq::ShapeHints{512, 1}, &sh, norm_max_threads_host);
+  const bool ok = vec_ok
+                      ? fq::choose_row_shape_or_default(rows, hidden / VEC, VEC, hidden * kBytes, 8,
+                                                        dev.clusters, dev.sms, hints, &sh,
+                                                        norm_max_threads_host)
+                      : fq::choose_row_shape(rows, hidden, 1, hidden * kBytes, 32, false, dev.sms,
+                                             fq::ShapeHints{512, 1}, &sh, norm_max_threads_host);
   if (!ok) return cudaErrorInvalidValue;
   sh.pdl = tuning.pdl;
   const int64_t nvec = hidden / sh.vec;
-  NormParams p{a.in,
-               a.in_row_stride,
-               a.residual,
-               a.residual_row_stride,
-               a.weight,
-               a.out,
-               a.scale_out,
-               a.static_scale,
-               rows,
-               static_cast<int>(hidden),
-               sh.cluster,
-               static_cast<int>((nvec + sh.cluster - 1) / sh.cluster),
+  NormParams p{a.in,        a.in_row_stride,
+               a.residual,  a.residual_row_stride,
+               a.weight,    a.out,
+               a.scale_out, a.static_scale,
+               rows,        static_cast<int>(hidden),
+               sh.cluster,  static_cast<int>((nvec + sh.cluster - 1) / sh.cluster),
                a.eps};
   return vec_ok ? dispatch_nv<T, VEC>(p, sh, stream) : dispatch_nv<T, 1>(p, sh, stream);
 }

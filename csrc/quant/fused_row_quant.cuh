@@ -20,8 +20,8 @@
 #include "common/cluster.cuh"   // cluster_arrive, cluster_wait, dsmem_addr
 #include "common/cp_async.cuh"  // smem_addr
 #include "common/device_cache.h"
-#include "common/launch.cuh"    // append_pdl_attribute
-#include "common/quant.cuh"     // RowQuant, quant_one, quant_pack4
+#include "common/launch.cuh"  // append_pdl_attribute
+#include "common/quant.cuh"   // RowQuant, quant_one, quant_pack4
 
 namespace qops {
 namespace fq {
@@ -30,15 +30,25 @@ namespace fq {
 template <int BYTES>
 struct Raw;
 template <>
-struct Raw<16> { using type = uint4; };
+struct Raw<16> {
+  using type = uint4;
+};
 template <>
-struct Raw<8> { using type = uint2; };
+struct Raw<8> {
+  using type = uint2;
+};
 template <>
-struct Raw<4> { using type = uint32_t; };
+struct Raw<4> {
+  using type = uint32_t;
+};
 template <>
-struct Raw<2> { using type = uint16_t; };
+struct Raw<2> {
+  using type = uint16_t;
+};
 template <>
-struct Raw<1> { using type = uint8_t; };
+struct Raw<1> {
+  using type = uint8_t;
+};
 
 // N elements of T moved with one instruction.
 template <typename T, int N>
@@ -136,8 +146,9 @@ __device__ __forceinline__ void cp_async_wait() {
 
 // N quantized values packed into N bytes (little-endian: element 0 in the lowest byte).
 template <bool kFast, int N, bool kInfCheck = true>
-__device__ __forceinline__ void store_q_impl(int8_t* p, const float (&y_in)[N], const RowQuant& qz) {
-  const float(&y)[N] = y_in;
+__device__ __forceinline__ void store_q_impl(int8_t* p, const float (&y_in)[N],
+                                             const RowQuant& qz) {
+  const float (&y)[N] = y_in;
   if constexpr (N % 4 == 0) {
     uint32_t w[N / 4];
 #pragma unroll
@@ -241,12 +252,12 @@ __device__ __forceinline__ void cluster_reduce(float& sum, float& mx, float* par
 // thread owning `vec_per_thread` vectors of `vec` elements; a row is split over `cluster` CTAs
 // (a thread-block cluster, sm_90) when cluster > 1, in which case rows_per_block is 1.
 struct RowShape {
-  int vec = 1;              // elements per vector (16 bytes of input, or 1 on the scalar path)
-  int vec_per_thread = 1;   // NV
-  int threads_per_row = 32; // multiple of 32
+  int vec = 1;               // elements per vector (16 bytes of input, or 1 on the scalar path)
+  int vec_per_thread = 1;    // NV
+  int threads_per_row = 32;  // multiple of 32
   int rows_per_block = 1;
-  int cluster = 1;          // CTAs per row
-  bool pdl = false;         // launch with programmatic dependent launch (FusedQuantTuning::pdl)
+  int cluster = 1;   // CTAs per row
+  bool pdl = false;  // launch with programmatic dependent launch (FusedQuantTuning::pdl)
 };
 
 // __launch_bounds__ (most threads per block, blocks per SM) for a kernel holding E = NV * VEC
@@ -256,13 +267,15 @@ __host__ __device__ constexpr int max_threads_for(int elems_per_thread) {
   return elems_per_thread <= 8 ? 1024 : (elems_per_thread <= 16 ? 512 : 256);
 }
 __host__ __device__ constexpr int min_blocks_for(int elems_per_thread) {
-  return elems_per_thread > 32 && elems_per_thread <= 64 ? 2 : (elems_per_thread > 16 && elems_per_thread <= 32 ? 3 : 1);
+  return elems_per_thread > 32 && elems_per_thread <= 64
+             ? 2
+             : (elems_per_thread > 16 && elems_per_thread <= 32 ? 3 : 1);
 }
 
 // Tuning inputs of choose_row_shape (zeros: defaults).
 struct ShapeHints {
-  int target_tpr = 0;   // aim for about this many threads per row (per CTA slice)
-  int cluster = 0;      // force this many CTAs per row (1, 2, 4, 8); 0 = choose
+  int target_tpr = 0;  // aim for about this many threads per row (per CTA slice)
+  int cluster = 0;     // force this many CTAs per row (1, 2, 4, 8); 0 = choose
 };
 
 // Picks (cluster, NV, threads_per_row, rows_per_block) for rows of `nvec` vectors of `vec`
@@ -294,9 +307,8 @@ inline bool choose_row_shape(int64_t rows, int64_t nvec, int vec, int64_t row_by
     // Default threads per row slice (measured, bench sweep): when every row slice gets its own SM
     // (decode), as many as the kernel allows (fewer vectors per thread: a shorter serial chain);
     // otherwise 256, or 128 for rows of <= 512 vectors (more rows resident per SM).
-    const int target = hints.target_tpr > 0
-                           ? hints.target_tpr
-                           : (rows * c <= sms ? 1024 : (nvec <= 512 ? 128 : 256));
+    const int target = hints.target_tpr > 0 ? hints.target_tpr
+                                            : (rows * c <= sms ? 1024 : (nvec <= 512 ? 128 : 256));
     const int64_t slice = (nvec + c - 1) / c;
     int nv0 = static_cast<int>((slice + target - 1) / target);
     if (nv0 < 1) nv0 = 1;
@@ -327,8 +339,8 @@ inline bool choose_row_shape_or_default(int64_t rows, int64_t nvec, int vec, int
                        max_threads))
     return true;
   return (hints.target_tpr > 0 || hints.cluster > 0) &&
-         choose_row_shape(rows, nvec, vec, row_bytes, max_nv, allow_cluster, sms, ShapeHints{},
-                          out, max_threads);
+         choose_row_shape(rows, nvec, vec, row_bytes, max_nv, allow_cluster, sms, ShapeHints{}, out,
+                          max_threads);
 }
 
 // Multiprocessor count of the current device and whether it runs thread-block clusters (sm_90+)
@@ -374,7 +386,6 @@ cudaError_t launch_rows(Kernel kernel, const Params& p, const RowShape& sh, int6
   return cudaLaunchKernelEx(&cfg, kernel, p);
 }
 
-
 // Calls `f(std::integral_constant<int, NV>{})` for the run-time vectors-per-thread count, so each
 // kernel is instantiated for the NV values its launch heuristic can choose: 1..8 on the 16-byte
 // vector path (VEC > 1), powers of two up to 32 on the scalar path (VEC == 1, NV rounded up).
@@ -382,27 +393,43 @@ template <int VEC, typename F>
 cudaError_t dispatch_vec_per_thread(int vec_per_thread, F&& f) {
   if constexpr (VEC > 1) {
     switch (vec_per_thread) {
-      case 1: return f(std::integral_constant<int, 1>{});
-      case 2: return f(std::integral_constant<int, 2>{});
-      case 3: return f(std::integral_constant<int, 3>{});
-      case 4: return f(std::integral_constant<int, 4>{});
-      case 5: return f(std::integral_constant<int, 5>{});
-      case 6: return f(std::integral_constant<int, 6>{});
-      case 7: return f(std::integral_constant<int, 7>{});
-      case 8: return f(std::integral_constant<int, 8>{});
-      default: return cudaErrorInvalidValue;
+      case 1:
+        return f(std::integral_constant<int, 1>{});
+      case 2:
+        return f(std::integral_constant<int, 2>{});
+      case 3:
+        return f(std::integral_constant<int, 3>{});
+      case 4:
+        return f(std::integral_constant<int, 4>{});
+      case 5:
+        return f(std::integral_constant<int, 5>{});
+      case 6:
+        return f(std::integral_constant<int, 6>{});
+      case 7:
+        return f(std::integral_constant<int, 7>{});
+      case 8:
+        return f(std::integral_constant<int, 8>{});
+      default:
+        return cudaErrorInvalidValue;
     }
   } else {
     int nv = 1;
     while (nv < vec_per_thread) nv *= 2;
     switch (nv) {
-      case 1: return f(std::integral_constant<int, 1>{});
-      case 2: return f(std::integral_constant<int, 2>{});
-      case 4: return f(std::integral_constant<int, 4>{});
-      case 8: return f(std::integral_constant<int, 8>{});
-      case 16: return f(std::integral_constant<int, 16>{});
-      case 32: return f(std::integral_constant<int, 32>{});
-      default: return cudaErrorInvalidValue;
+      case 1:
+        return f(std::integral_constant<int, 1>{});
+      case 2:
+        return f(std::integral_constant<int, 2>{});
+      case 4:
+        return f(std::integral_constant<int, 4>{});
+      case 8:
+        return f(std::integral_constant<int, 8>{});
+      case 16:
+        return f(std::integral_constant<int, 16>{});
+      case 32:
+        return f(std::integral_constant<int, 32>{});
+      default:
+        return cudaErrorInvalidValue;
     }
   }
 }

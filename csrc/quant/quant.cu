@@ -20,9 +20,13 @@ namespace {
 template <int E>
 struct Int8Chunk;  // E int8 values stored with one instruction
 template <>
-struct Int8Chunk<8> { using type = uint2; };
+struct Int8Chunk<8> {
+  using type = uint2;
+};
 template <>
-struct Int8Chunk<4> { using type = uint32_t; };
+struct Int8Chunk<4> {
+  using type = uint32_t;
+};
 
 // The E int8 values of one 16-byte vector of T, packed little-endian.
 template <typename T, bool kFast, bool kInfCheck>
@@ -91,8 +95,8 @@ __global__ void __launch_bounds__(VPT >= 16 ? 256 : 512)
 
 template <typename T>
 __global__ void quant_per_token_scalar_kernel(const T* __restrict__ in, int64_t in_row_stride,
-                                              int8_t* __restrict__ out,
-                                              float* __restrict__ scales, int64_t cols) {
+                                              int8_t* __restrict__ out, float* __restrict__ scales,
+                                              int64_t cols) {
   __shared__ float smem[32];
   pdl_wait();
   pdl_launch_dependents();
@@ -138,12 +142,13 @@ __global__ void quant_per_tensor_kernel(const T* __restrict__ in, int64_t in_row
   }
 }
 
-inline int round_up_warp(int64_t n) { return int((n + 31) / 32 * 32); }
+inline int round_up_warp(int64_t n) {
+  return int((n + 31) / 32 * 32);
+}
 
 template <typename T, int VPT>
-cudaError_t launch_token_vec(const T* in, int64_t stride, int8_t* out, float* scales,
-                             int64_t rows, int64_t cols, int threads, cudaStream_t stream,
-                             bool pdl) {
+cudaError_t launch_token_vec(const T* in, int64_t stride, int8_t* out, float* scales, int64_t rows,
+                             int64_t cols, int threads, cudaStream_t stream, bool pdl) {
   return launch_kernel(quant_per_token_vec_kernel<T, VPT>, dim3(rows), dim3(threads), stream, pdl,
                        in, stride, out, scales, cols);
 }
@@ -162,15 +167,25 @@ cudaError_t quant_per_token(const T* in, int64_t in_row_stride, int8_t* out, flo
     // Smallest vectors-per-thread that covers the row with <= 256 threads, so short rows (decode)
     // still get a full CTA of lanes. Longer rows (past 4096 vectors: 32768 bf16) take the scalar
     // two-pass kernel.
-    if (nvec <= 256 * 1) return launch_token_vec<T, 1>(in, in_row_stride, out, scales, rows, cols, round_up_warp(nvec), stream, pdl);
-    if (nvec <= 256 * 2) return launch_token_vec<T, 2>(in, in_row_stride, out, scales, rows, cols, round_up_warp((nvec + 1) / 2), stream, pdl);
-    if (nvec <= 256 * 4) return launch_token_vec<T, 4>(in, in_row_stride, out, scales, rows, cols, round_up_warp((nvec + 3) / 4), stream, pdl);
-    if (nvec <= 256 * 8) return launch_token_vec<T, 8>(in, in_row_stride, out, scales, rows, cols, round_up_warp((nvec + 7) / 8), stream, pdl);
-    if (nvec <= 256 * 16) return launch_token_vec<T, 16>(in, in_row_stride, out, scales, rows, cols, round_up_warp((nvec + 15) / 16), stream, pdl);
+    if (nvec <= 256 * 1)
+      return launch_token_vec<T, 1>(in, in_row_stride, out, scales, rows, cols, round_up_warp(nvec),
+                                    stream, pdl);
+    if (nvec <= 256 * 2)
+      return launch_token_vec<T, 2>(in, in_row_stride, out, scales, rows, cols,
+                                    round_up_warp((nvec + 1) / 2), stream, pdl);
+    if (nvec <= 256 * 4)
+      return launch_token_vec<T, 4>(in, in_row_stride, out, scales, rows, cols,
+                                    round_up_warp((nvec + 3) / 4), stream, pdl);
+    if (nvec <= 256 * 8)
+      return launch_token_vec<T, 8>(in, in_row_stride, out, scales, rows, cols,
+                                    round_up_warp((nvec + 7) / 8), stream, pdl);
+    if (nvec <= 256 * 16)
+      return launch_token_vec<T, 16>(in, in_row_stride, out, scales, rows, cols,
+                                     round_up_warp((nvec + 15) / 16), stream, pdl);
   }
   const int threads = cols >= 1024 ? 1024 : round_up_warp(cols);
-  return launch_kernel(quant_per_token_scalar_kernel<T>, dim3(rows), dim3(threads), stream, pdl,
-                       in, in_row_stride, out, scales, cols);
+  return launch_kernel(quant_per_token_scalar_kernel<T>, dim3(rows), dim3(threads), stream, pdl, in,
+                       in_row_stride, out, scales, cols);
 }
 
 template <typename T>
@@ -188,17 +203,17 @@ cudaError_t quant_per_tensor(const T* in, int64_t in_row_stride, int8_t* out, co
     const int64_t nr = rows - r0 < 65535 ? rows - r0 : 65535;
     const dim3 grid(unsigned(blocks_x < 1024 ? blocks_x : 1024), unsigned(nr));
     auto kernel = vec ? quant_per_tensor_kernel<T, true> : quant_per_tensor_kernel<T, false>;
-    cudaError_t err = launch_kernel(kernel, grid, dim3(threads), stream, pdl,
-                                    in + r0 * in_row_stride, in_row_stride, out + r0 * cols, scale,
-                                    cols);
+    cudaError_t err =
+        launch_kernel(kernel, grid, dim3(threads), stream, pdl, in + r0 * in_row_stride,
+                      in_row_stride, out + r0 * cols, scale, cols);
     if (err != cudaSuccess) return err;
   }
   return cudaSuccess;
 }
 
-#define QOPS_INSTANTIATE_QUANT(T)                                                              \
+#define QOPS_INSTANTIATE_QUANT(T)                                                               \
   template cudaError_t quant_per_token<T>(const T*, int64_t, int8_t*, float*, int64_t, int64_t, \
-                                          cudaStream_t, bool);                                 \
+                                          cudaStream_t, bool);                                  \
   template cudaError_t quant_per_tensor<T>(const T*, int64_t, int8_t*, const float*, int64_t,   \
                                            int64_t, cudaStream_t, bool);
 QOPS_INSTANTIATE_QUANT(float)

@@ -11,13 +11,13 @@
 #include <cstdlib>
 #include <vector>
 
-#define CK(x)                                                                          \
-  do {                                                                                 \
-    const cudaError_t e_ = (x);                                                        \
-    if (e_ != cudaSuccess) {                                                           \
+#define CK(x)                                                                         \
+  do {                                                                                \
+    const cudaError_t e_ = (x);                                                       \
+    if (e_ != cudaSuccess) {                                                          \
       printf("CUDA error %s at line %d: %s\n", #x, __LINE__, cudaGetErrorString(e_)); \
-      exit(1);                                                                         \
-    }                                                                                  \
+      exit(1);                                                                        \
+    }                                                                                 \
   } while (0)
 
 // Milliseconds of each of `reps` runs of `run` on `s` (CUDA events), sorted.

@@ -33,7 +33,8 @@ using namespace qops::w8a8_sm90;
 
 // Deterministic int8 in [-30, 30] (a hash of the index), and positive float32 scales.
 __global__ void fill_i8(int8_t* p, size_t n, unsigned seed) {
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+       i += (size_t)gridDim.x * blockDim.x) {
     unsigned x = static_cast<unsigned>(i) * 2654435761u ^ seed;
     x ^= x >> 13;
     x *= 0x5bd1e995u;
@@ -42,7 +43,8 @@ __global__ void fill_i8(int8_t* p, size_t n, unsigned seed) {
   }
 }
 __global__ void fill_f32(float* p, size_t n) {
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+       i += (size_t)gridDim.x * blockDim.x)
     p[i] = 1e-3f * (1 + i % 7);
 }
 
@@ -60,8 +62,9 @@ int main() {
     const char* name;
     int n, k;
   };
-  const Layer layers[] = {{"7B/8B.o", 4096, 4096},       {"8B.qkv", 6144, 4096},  {"70B-tp8.down", 8192, 3584},
-                          {"7B.down", 4096, 11008},      {"8B.down", 4096, 14336}, {"70B-tp8.gate_up", 7168, 8192}};
+  const Layer layers[] = {{"7B/8B.o", 4096, 4096},      {"8B.qkv", 6144, 4096},
+                          {"70B-tp8.down", 8192, 3584}, {"7B.down", 4096, 11008},
+                          {"8B.down", 4096, 14336},     {"70B-tp8.gate_up", 7168, 8192}};
   struct Variant {
     std::string name;
     int m;
@@ -74,13 +77,14 @@ int main() {
   for (const int m : {1, 8, 16}) {
     const std::string name = "M" + std::to_string(m);
     variants.push_back({name, m, false, {0, 0, 0}});
-    variants.push_back({name + "_ovl_e" + (m > 8 ? "0" : "1"), m, false, {0, 0, 0}, true, m > 8 ? 0 : 1});
+    variants.push_back(
+        {name + "_ovl_e" + (m > 8 ? "0" : "1"), m, false, {0, 0, 0}, true, m > 8 ? 0 : 1});
     variants.push_back({name + "_ovl", m, false, {0, 0, 0}, true, -1});
   }
   variants.push_back({"M16_alias", 16, true, {0, 0, 0}});
   for (const GemvShape s : kGemvShapes) {
-    variants.push_back({"M16_r" + std::to_string(s.rows_per_cta) + "w" + std::to_string(s.warps) + "c" +
-                            std::to_string(s.chunks),
+    variants.push_back({"M16_r" + std::to_string(s.rows_per_cta) + "w" + std::to_string(s.warps) +
+                            "c" + std::to_string(s.chunks),
                         16, false, s});
   }
   printf("%-16s", "layer");
@@ -140,16 +144,17 @@ int main() {
       CK(cudaStreamSynchronize(st));
       if (v.name == "M16") ref = got;
       if (!v.overlap && v.shape.rows_per_cta == 0 && !v.alias) ref_m = got;  // M1, M8, M16
-      const size_t cmp = static_cast<size_t>(v.m) * L.n * 2;  // bf16 rows written
-      const bool same = v.overlap ? memcmp(ref_m.data(), got.data(), cmp) == 0
-                                  : !(v.m == 16 && !v.alias) || memcmp(ref.data(), got.data(), out_bytes) == 0;
+      const size_t cmp = static_cast<size_t>(v.m) * L.n * 2;                 // bf16 rows written
+      const bool same =
+          v.overlap ? memcmp(ref_m.data(), got.data(), cmp) == 0
+                    : !(v.m == 16 && !v.alias) || memcmp(ref.data(), got.data(), out_bytes) == 0;
       if (!same) {
         printf("\n%s at %s: output differs from M%d\n", v.name.c_str(), L.name, v.m);
         return 1;
       }
       const int calls = std::max(sets, 200 / sets * sets);
-      const double us =
-          probe_graph_us(st, calls, 22, [&](int c) { CK(gemv(problem(c % sets), options, sms, st, nullptr)); });
+      const double us = probe_graph_us(
+          st, calls, 22, [&](int c) { CK(gemv(problem(c % sets), options, sms, st, nullptr)); });
       printf(" %7.2f (%.2f)", us, wbytes / (us * 1e-6) / 1e9 / copy_gbps);
       fflush(stdout);
     }

@@ -30,8 +30,8 @@ __device__ __forceinline__ long chunk_off(long j, long window_chunks, long base,
 
 // per-warp ring of ST stages, each lane copies C/32 bytes per chunk (16 B each)
 template <int C, int ST, int NW>
-__global__ void __launch_bounds__(NW * 32) rd_cp(const char* buf, long window_chunks, long base,
-                                                 int chunks_per_cta, unsigned* out) {
+__global__ void __launch_bounds__(NW * 32)
+    rd_cp(const char* buf, long window_chunks, long base, int chunks_per_cta, unsigned* out) {
   extern __shared__ __align__(128) unsigned char ring[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   unsigned char* my = ring + warp * ST * C;
@@ -47,7 +47,8 @@ __global__ void __launch_bounds__(NW * 32) rd_cp(const char* buf, long window_ch
 #pragma unroll
     for (int u = 0; u < kPer; ++u) {
       const int o = (u * 32 + lane) * 16;
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(dst + o)), "l"(src + o));
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(dst + o)),
+                   "l"(src + o));
     }
   };
   for (; issued < ST - 1; ++issued) {
@@ -68,8 +69,8 @@ __global__ void __launch_bounds__(NW * 32) rd_cp(const char* buf, long window_ch
 
 // plain loads: each warp loads U chunks' worth of 16-byte vectors into registers at once
 template <int C, int U, int NW>
-__global__ void __launch_bounds__(NW * 32) rd_ld(const char* buf, long window_chunks, long base,
-                                                 int chunks_per_cta, unsigned* out) {
+__global__ void __launch_bounds__(NW * 32)
+    rd_ld(const char* buf, long window_chunks, long base, int chunks_per_cta, unsigned* out) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   constexpr int kPer = C / 16 / 32;
   unsigned acc = 0;
@@ -97,14 +98,17 @@ __global__ void __launch_bounds__(NW * 32) rd_ld(const char* buf, long window_ch
 }
 
 __device__ __forceinline__ void bar_wait(uint64_t* b, unsigned parity) {
-  asm volatile("{\n.reg .pred d;\nW_%=:\nmbarrier.try_wait.parity.shared::cta.b64 d, [%0], %1;\n"
-               "@!d bra W_%=;\n}\n" ::"r"(smem_u32(b)), "r"(parity) : "memory");
+  asm volatile(
+      "{\n.reg .pred d;\nW_%=:\nmbarrier.try_wait.parity.shared::cta.b64 d, [%0], %1;\n"
+      "@!d bra W_%=;\n}\n" ::"r"(smem_u32(b)),
+      "r"(parity)
+      : "memory");
 }
 // bulk copies: lane 0 of each of NW warps issues its own chunks (round-robin) into its ring of ST
 // stages and waits for them in order (NW = 1: one thread issues everything)
 template <int C, int ST, int NW>
 __global__ void rd_bulk(const char* buf, long window_chunks, long base, int chunks_per_cta,
-                           unsigned* out) {
+                        unsigned* out) {
   extern __shared__ __align__(128) unsigned char ring[];
   __shared__ __align__(8) uint64_t bars[NW * ST];
   const int warp = threadIdx.x / 32;
@@ -125,58 +129,77 @@ __global__ void rd_bulk(const char* buf, long window_chunks, long base, int chun
     }
     if (k < mine) {
       const int st = k % ST;
-      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(&bar[st])),
-                   "r"(C) : "memory");
-      asm volatile("cp.async.bulk.shared::cta.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                   ::"r"(smem_u32(my + st * C)), "l"(buf + chunk_off(first + warp + (long)k * NW, window_chunks, base, C)),
-                   "r"(C), "r"(smem_u32(&bar[st])) : "memory");
+      asm volatile(
+          "mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(&bar[st])), "r"(C)
+          : "memory");
+      asm volatile(
+          "cp.async.bulk.shared::cta.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
+              "r"(smem_u32(my + st * C)),
+          "l"(buf + chunk_off(first + warp + (long)k * NW, window_chunks, base, C)), "r"(C),
+          "r"(smem_u32(&bar[st]))
+          : "memory");
     }
   }
   if (acc == 0x9e3779b9u) out[0] = acc;
 }
 
 typedef void (*Kern)(const char*, long, long, int, unsigned*);
-struct Cfg { const char* name; Kern k; int threads; int smem; int C; };
+struct Cfg {
+  const char* name;
+  Kern k;
+  int threads;
+  int smem;
+  int C;
+};
 // A reader's launch shape follows from its template arguments: NW warps, ST stages of C bytes per
 // warp in dynamic shared memory (the ld readers hold theirs in registers).
-template <int C, int ST, int NW> Cfg cp(const char* n) { return {n, rd_cp<C, ST, NW>, NW * 32, NW * ST * C, C}; }
-template <int C, int U, int NW> Cfg ld(const char* n) { return {n, rd_ld<C, U, NW>, NW * 32, 0, C}; }
-template <int C, int ST, int NW> Cfg bulk(const char* n) { return {n, rd_bulk<C, ST, NW>, NW * 32, NW * ST * C, C}; }
+template <int C, int ST, int NW>
+Cfg cp(const char* n) {
+  return {n, rd_cp<C, ST, NW>, NW * 32, NW * ST * C, C};
+}
+template <int C, int U, int NW>
+Cfg ld(const char* n) {
+  return {n, rd_ld<C, U, NW>, NW * 32, 0, C};
+}
+template <int C, int ST, int NW>
+Cfg bulk(const char* n) {
+  return {n, rd_bulk<C, ST, NW>, NW * 32, NW * ST * C, C};
+}
 
 int main() {
-  int sms; CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  cudaStream_t s; CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  int sms;
+  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  cudaStream_t s;
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   printf("copy %.0f GB/s, %d SMs\n", probe_copy_gbps(s), sms);
   const size_t bytes = 1ull << 30;
-  char* buf; CK(cudaMalloc(&buf, bytes)); CK(cudaMemset(buf, 1, bytes));
-  unsigned* out; CK(cudaMalloc(&out, 4));
+  char* buf;
+  CK(cudaMalloc(&buf, bytes));
+  CK(cudaMemset(buf, 1, bytes));
+  unsigned* out;
+  CK(cudaMalloc(&out, 4));
   std::vector<Cfg> cfgs = {
-      cp<2048, 4, 8>("cp 8w st4 C2K"),
-      cp<2048, 8, 8>("cp 8w st8 C2K"),
-      cp<2048, 12, 8>("cp 8w st12 C2K"),
-      ld<2048, 2, 8>("ld 8w u2 C2K"),
-      ld<2048, 4, 8>("ld 8w u4 C2K"),
-      bulk<2048, 16, 1>("bulk st16 C2K"),
-      bulk<2048, 48, 1>("bulk st48 C2K"),
-      bulk<2048, 96, 1>("bulk st96 C2K"),
-      bulk<2048, 8, 8>("bulk 8w st8 C2K"),
-      bulk<2048, 16, 4>("bulk 4w st16 C2K"),
-      bulk<2048, 32, 2>("bulk 2w st32 C2K"),
-      bulk<8192, 12, 1>("bulk st12 C8K"),
-      bulk<8192, 4, 4>("bulk 4w st4 C8K"),
-      cp<8192, 3, 8>("cp 8w st3 C8K"),
-      cp<1024, 6, 8>("cp 8w st6 C1K"),
-      cp<1024, 12, 8>("cp 8w st12 C1K"),
-      ld<1024, 4, 8>("ld 8w u4 C1K"),
-      ld<1024, 8, 8>("ld 8w u8 C1K"),
-      bulk<1024, 32, 1>("bulk st32 C1K"),
-      bulk<1024, 96, 1>("bulk st96 C1K"),
-      bulk<1024, 192, 1>("bulk st192 C1K"),
-      bulk<1024, 12, 8>("bulk 8w st12 C1K"),
+      cp<2048, 4, 8>("cp 8w st4 C2K"),       cp<2048, 8, 8>("cp 8w st8 C2K"),
+      cp<2048, 12, 8>("cp 8w st12 C2K"),     ld<2048, 2, 8>("ld 8w u2 C2K"),
+      ld<2048, 4, 8>("ld 8w u4 C2K"),        bulk<2048, 16, 1>("bulk st16 C2K"),
+      bulk<2048, 48, 1>("bulk st48 C2K"),    bulk<2048, 96, 1>("bulk st96 C2K"),
+      bulk<2048, 8, 8>("bulk 8w st8 C2K"),   bulk<2048, 16, 4>("bulk 4w st16 C2K"),
+      bulk<2048, 32, 2>("bulk 2w st32 C2K"), bulk<8192, 12, 1>("bulk st12 C8K"),
+      bulk<8192, 4, 4>("bulk 4w st4 C8K"),   cp<8192, 3, 8>("cp 8w st3 C8K"),
+      cp<1024, 6, 8>("cp 8w st6 C1K"),       cp<1024, 12, 8>("cp 8w st12 C1K"),
+      ld<1024, 4, 8>("ld 8w u4 C1K"),        ld<1024, 8, 8>("ld 8w u8 C1K"),
+      bulk<1024, 32, 1>("bulk st32 C1K"),    bulk<1024, 96, 1>("bulk st96 C1K"),
+      bulk<1024, 192, 1>("bulk st192 C1K"),  bulk<1024, 12, 8>("bulk 8w st12 C1K"),
   };
   for (auto& c : cfgs)
-    if (c.smem > 48 * 1024) CK(cudaFuncSetAttribute(c.k, cudaFuncAttributeMaxDynamicSharedMemorySize, c.smem));
-  struct Case { const char* name; int ctas; long per_cta; int C; };
+    if (c.smem > 48 * 1024)
+      CK(cudaFuncSetAttribute(c.k, cudaFuncAttributeMaxDynamicSharedMemorySize, c.smem));
+  struct Case {
+    const char* name;
+    int ctas;
+    long per_cta;
+    int C;
+  };
   std::vector<Case> cases = {
       {"SmolLM2 B1 T4096 (48 x 32K)", 48, 32 << 10, 1024},
       {"SmolLM2 B1 T16384 (48 x 128K)", 48, 128 << 10, 1024},
@@ -209,6 +232,7 @@ int main() {
              total / us / 1e3 / cs.ctas);
     }
   }
-  CK(cudaGetLastError()); CK(cudaDeviceSynchronize());
+  CK(cudaGetLastError());
+  CK(cudaDeviceSynchronize());
   return 0;
 }

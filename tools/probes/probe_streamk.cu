@@ -62,15 +62,20 @@ bool launch(const Problem& p, const Variant& v, EvtArgs evt_args, void** ws, siz
             cudaStream_t s, int sms) {
   using Device = cutlass::gemm::device::GemmUniversalAdapter<Op>;
   using Kernel = typename Device::GemmKernel;
-  auto sa = cutlass::make_cute_packed_stride(typename Kernel::StrideA{}, cute::make_shape(p.m, p.k, 1));
-  auto sb = cutlass::make_cute_packed_stride(typename Kernel::StrideB{}, cute::make_shape(p.n, p.k, 1));
-  auto sd = cutlass::make_cute_packed_stride(typename Kernel::StrideD{}, cute::make_shape(p.m, p.n, 1));
+  auto sa =
+      cutlass::make_cute_packed_stride(typename Kernel::StrideA{}, cute::make_shape(p.m, p.k, 1));
+  auto sb =
+      cutlass::make_cute_packed_stride(typename Kernel::StrideB{}, cute::make_shape(p.n, p.k, 1));
+  auto sd =
+      cutlass::make_cute_packed_stride(typename Kernel::StrideD{}, cute::make_shape(p.m, p.n, 1));
   cutlass::KernelHardwareInfo hw;
   hw.sm_count = sms;
-  typename Device::Arguments args{cutlass::gemm::GemmUniversalMode::kGemm, {p.m, p.n, p.k, 1},
-                                  {p.a, sa, p.b, sb},
-                                  {evt_args(p), nullptr, sd, static_cast<cutlass::bfloat16_t*>(p.d), sd},
-                                  hw};
+  typename Device::Arguments args{
+      cutlass::gemm::GemmUniversalMode::kGemm,
+      {p.m, p.n, p.k, 1},
+      {p.a, sa, p.b, sb},
+      {evt_args(p), nullptr, sd, static_cast<cutlass::bfloat16_t*>(p.d), sd},
+      hw};
   if constexpr (StreamK) {
     args.scheduler.splits = v.splits;
     args.scheduler.decomposition_mode = v.decomposition;
@@ -153,10 +158,18 @@ int main(int argc, char** argv) {
       q.d = out;
       const Variant& v = variants[i];
       switch (v.kernel) {
-        case 0: return launch<k_dp128::Op, false>(q, v, k_dp128::evt_args<Problem>, &ws[i], &ws_bytes[i], s, sms);
-        case 1: return launch<k_sk256c2::Op, true>(q, v, k_sk256c2::evt_args<Problem>, &ws[i], &ws_bytes[i], s, sms);
-        case 2: return launch<k_sk256c1::Op, true>(q, v, k_sk256c1::evt_args<Problem>, &ws[i], &ws_bytes[i], s, sms);
-        default: return launch<k_sk128c2::Op, true>(q, v, k_sk128c2::evt_args<Problem>, &ws[i], &ws_bytes[i], s, sms);
+        case 0:
+          return launch<k_dp128::Op, false>(q, v, k_dp128::evt_args<Problem>, &ws[i], &ws_bytes[i],
+                                            s, sms);
+        case 1:
+          return launch<k_sk256c2::Op, true>(q, v, k_sk256c2::evt_args<Problem>, &ws[i],
+                                             &ws_bytes[i], s, sms);
+        case 2:
+          return launch<k_sk256c1::Op, true>(q, v, k_sk256c1::evt_args<Problem>, &ws[i],
+                                             &ws_bytes[i], s, sms);
+        default:
+          return launch<k_sk128c2::Op, true>(q, v, k_sk128c2::evt_args<Problem>, &ws[i],
+                                             &ws_bytes[i], s, sms);
       }
     };
     // Bit-identical to the baseline (exact int32 sums, then the same epilogue), on poisoned output.
