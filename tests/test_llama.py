@@ -18,7 +18,7 @@ import torch
 from qops.llama import QuantConfig, QuantizedLlamaForCausalLM, W8A8Linear, generate, quantize, smollm2
 from qops.llama.config import LlamaArgs
 from qops.llama.quantize import apply_smoothing, calibrate
-from qops.testing import needs_w8a8_gemm
+from qops.testing import needs_w8a8_gemm, random_llama_state_dict
 
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 needs_transformers = pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed (llama extra)")
@@ -44,33 +44,7 @@ TINY = LlamaArgs(
 
 
 def tiny_state_dict(args: LlamaArgs = TINY, seed: int = 0) -> dict:
-    """Random Llama weights with Hugging Face names and some realism: a few activation outlier
-    channels (large RMSNorm weights), as trained LLMs have."""
-    g = torch.Generator().manual_seed(seed)
-    h, i, d = args.hidden_size, args.intermediate_size, args.head_dim
-
-    def lin(n, k):
-        return torch.randn(n, k, generator=g) / math.sqrt(k)
-
-    sd = {
-        "model.embed_tokens.weight": torch.randn(args.vocab_size, h, generator=g),
-        "model.norm.weight": 1 + 0.1 * torch.randn(h, generator=g),
-        "lm_head.weight": lin(args.vocab_size, h) * 4,
-    }
-    for layer in range(args.num_layers):
-        p = f"model.layers.{layer}."
-        for name in ("input_layernorm", "post_attention_layernorm"):
-            w = 1 + 0.1 * torch.randn(h, generator=g)
-            w[torch.randint(0, h, (3,), generator=g)] = 6.0  # outlier channels
-            sd[p + name + ".weight"] = w
-        sd[p + "self_attn.q_proj.weight"] = lin(args.num_heads * d, h)
-        sd[p + "self_attn.k_proj.weight"] = lin(args.num_kv_heads * d, h)
-        sd[p + "self_attn.v_proj.weight"] = lin(args.num_kv_heads * d, h)
-        sd[p + "self_attn.o_proj.weight"] = lin(h, args.num_heads * d)
-        sd[p + "mlp.gate_proj.weight"] = lin(i, h)
-        sd[p + "mlp.up_proj.weight"] = lin(i, h)
-        sd[p + "mlp.down_proj.weight"] = lin(h, i)
-    return sd
+    return random_llama_state_dict(args, seed)
 
 
 def build(sd, qcfg: QuantConfig, dtype=torch.float16, **kw) -> QuantizedLlamaForCausalLM:

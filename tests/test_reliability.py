@@ -5,8 +5,6 @@ tests/test_contracts.py)."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -16,6 +14,7 @@ from qops.llama.cache import HalfPagedKVCache
 from qops.llama.config import LlamaArgs
 from qops.llama.graphs import GraphDecoder
 from qops.llama.quantize import quantize_state_dict
+from qops.testing import random_llama_state_dict
 
 ARGS = LlamaArgs(
     vocab_size=96,
@@ -30,29 +29,7 @@ ARGS = LlamaArgs(
 
 
 def _state_dict(args: LlamaArgs = ARGS) -> dict:
-    g = torch.Generator().manual_seed(0)
-    h, i, d = args.hidden_size, args.intermediate_size, args.head_dim
-
-    def lin(n, k):
-        return torch.randn(n, k, generator=g) / math.sqrt(k)
-
-    sd = {
-        "model.embed_tokens.weight": torch.randn(args.vocab_size, h, generator=g),
-        "model.norm.weight": torch.ones(h),
-        "lm_head.weight": lin(args.vocab_size, h) * 4,
-    }
-    for layer in range(args.num_layers):
-        p = f"model.layers.{layer}."
-        sd[p + "input_layernorm.weight"] = torch.ones(h)
-        sd[p + "post_attention_layernorm.weight"] = torch.ones(h)
-        sd[p + "self_attn.q_proj.weight"] = lin(args.num_heads * d, h)
-        sd[p + "self_attn.k_proj.weight"] = lin(args.num_kv_heads * d, h)
-        sd[p + "self_attn.v_proj.weight"] = lin(args.num_kv_heads * d, h)
-        sd[p + "self_attn.o_proj.weight"] = lin(h, args.num_heads * d)
-        sd[p + "mlp.gate_proj.weight"] = lin(i, h)
-        sd[p + "mlp.up_proj.weight"] = lin(i, h)
-        sd[p + "mlp.down_proj.weight"] = lin(h, i)
-    return sd
+    return random_llama_state_dict(args)
 
 
 @pytest.fixture(scope="module")

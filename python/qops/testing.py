@@ -18,6 +18,7 @@ graph of few calls charges that latency to each call (2 sets of a 25 us call: +1
 from __future__ import annotations
 
 import csv
+import math
 import os
 import statistics
 from collections.abc import Callable, Sequence
@@ -73,6 +74,37 @@ def cuda_kernel_names(fn: Callable[[], object], contains: str) -> list[str] | No
     except Exception:
         return None
     return names or None
+
+
+def random_llama_state_dict(args, seed: int = 0) -> dict:
+    """Random weights of a Llama model of shape ``args`` (a ``qops.llama.LlamaArgs``), float32 on
+    the CPU, with Hugging Face names (``quantize_state_dict`` / ``from_state_dict`` take them), and
+    some realism: a few activation outlier channels (large RMSNorm weights), as trained LLMs have."""
+    g = torch.Generator().manual_seed(seed)
+    h, i, d = args.hidden_size, args.intermediate_size, args.head_dim
+
+    def lin(n, k):
+        return torch.randn(n, k, generator=g) / math.sqrt(k)
+
+    sd = {
+        "model.embed_tokens.weight": torch.randn(args.vocab_size, h, generator=g),
+        "model.norm.weight": 1 + 0.1 * torch.randn(h, generator=g),
+        "lm_head.weight": lin(args.vocab_size, h) * 4,
+    }
+    for layer in range(args.num_layers):
+        p = f"model.layers.{layer}."
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            w = 1 + 0.1 * torch.randn(h, generator=g)
+            w[torch.randint(0, h, (3,), generator=g)] = 6.0  # outlier channels
+            sd[p + name + ".weight"] = w
+        sd[p + "self_attn.q_proj.weight"] = lin(args.num_heads * d, h)
+        sd[p + "self_attn.k_proj.weight"] = lin(args.num_kv_heads * d, h)
+        sd[p + "self_attn.v_proj.weight"] = lin(args.num_kv_heads * d, h)
+        sd[p + "self_attn.o_proj.weight"] = lin(h, args.num_heads * d)
+        sd[p + "mlp.gate_proj.weight"] = lin(i, h)
+        sd[p + "mlp.up_proj.weight"] = lin(i, h)
+        sd[p + "mlp.down_proj.weight"] = lin(h, i)
+    return sd
 
 
 # ---- benchmark helpers --------------------------------------------------------------------------
