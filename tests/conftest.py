@@ -54,11 +54,11 @@ def _compiled(wrapper):
     def call(*args, **kwargs):
         try:
             return compiled(*args, **kwargs)
-        except torch._dynamo.exc.TorchRuntimeError as e:  # the op's error, raised at trace time
-            cause = e.__cause__
-            while isinstance(cause, torch._dynamo.exc.TorchRuntimeError) and cause.__cause__ is not None:
-                cause = cause.__cause__
-            if isinstance(cause, (ValueError, TypeError, NotImplementedError, RuntimeError)):
+        except torch._dynamo.exc.TorchDynamoException as e:  # the op's error, raised at trace time
+            cause = e.__cause__ or e.__context__
+            while isinstance(cause, torch._dynamo.exc.TorchDynamoException):
+                cause = cause.__cause__ or cause.__context__
+            if isinstance(cause, (ValueError, TypeError, NotImplementedError, KeyError)):
                 raise cause from None
             raise
 
@@ -71,6 +71,10 @@ def _compile_op_wrappers():
         yield
         return
     patch = pytest.MonkeyPatch()
+    # Every test brings new shapes and dtypes: one compiled graph each, far past dynamo's default
+    # limit of 8 recompilations per wrapper (a hard error under fullgraph=True).
+    patch.setattr(torch._dynamo.config, "recompile_limit", 100_000)
+    patch.setattr(torch._dynamo.config, "accumulated_recompile_limit", 1_000_000)
     for name in qops.op_names():
         patch.setattr(qops, name, _compiled(getattr(qops, name)))
     yield
