@@ -249,12 +249,8 @@ class QuantizedLlamaForCausalLM(nn.Module):
             raise ValueError("step: a step is either a prefill of new sequences or a decode of known ones, not both")
         dev = self.device
         starts = [cache.seq_len(s) if k else 0 for s, k in zip(seq_ids, known)]
-        need = cache.blocks_needed(seq_ids, qlens)
-        if need > cache.num_free_blocks:
-            raise RuntimeError(
-                f"step: out of cache blocks: {need} needed, {cache.num_free_blocks} free of {cache.num_blocks}"
-            )
-        # Everything is checked: reserve the slots and run; if anything raises from here on, the
+        # The arguments are checked: reserve the slots (append_slots checks the free blocks and
+        # changes nothing when they do not suffice) and run; if anything raises from here on, the
         # cache's transaction gives the slots back and the lengths are as before the call.
         with cache.transaction():
             self.rotary.ensure(max(s + n for s, n in zip(starts, qlens)))
