@@ -53,10 +53,21 @@ TORCH_LIBRARY(qops, m) {
       " int warps=0) -> Tensor");
 
   // ---- int4 KV cache (seed 002 row layout) and the split-K GQA decode ---------------------
-  m.def("quantize_kv_int4(Tensor kv, int num_groups) -> Tensor");
+  m.def("quantize_kv_int4(Tensor kv, int num_groups, *, float clip_ratio=1.0) -> Tensor");
   m.def(
-      "int4_gqa_decode(Tensor query, Tensor k, Tensor v, Tensor seq_lens, float sm_scale,"
-      " int num_groups, int num_splits=0) -> Tensor");
+      "reshape_and_cache_int4(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache,"
+      " Tensor slot_mapping, int num_groups, *, float clip_ratio=1.0, bool enable_pdl=True) -> ()");
+  // SKVQ (seed 003): sinks and a window of recent tokens in full precision beside the int4 cache.
+  m.def(
+      "skvq_cache_write(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache,"
+      " Tensor(c!) k_side, Tensor(d!) v_side, Tensor block_tables, Tensor side_slots,"
+      " Tensor seq_lens, Tensor cu_seqlens, int num_groups, int sinks, int window, *,"
+      " float clip_ratio=1.0, bool enable_pdl=True) -> ()");
+  m.def(
+      "int4_gqa_decode(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables,"
+      " Tensor seq_lens, float sm_scale, int num_groups, Tensor? k_side=None,"
+      " Tensor? v_side=None, Tensor? side_slots=None, int sinks=0, int window=0,"
+      " int num_splits=0, *, bool enable_pdl=True, str merge=\"auto\", int warps=0) -> Tensor");
 }
 
 // `import qops._C` loads this library (and with it the registrations above).

@@ -71,6 +71,52 @@ def _decode(d, b=2, hq=4, hkv=2, dd=64, q=None, bt=None, sl=None, alibi=None, ca
     return (query, *(cache or _cache(d, hkv=hkv, dd=dd)), block_tables, seq_lens, 1.0, alibi), kw
 
 
+u8 = torch.uint8
+
+
+def _int4_cache(d, nb=4, hkv=2, bs=16, dd=64, g=1, dtype=u8):
+    kc = torch.zeros(nb, hkv, bs, 4 * g + dd // 2, dtype=dtype, device=d)
+    return kc, kc.clone()
+
+
+def _int4_write(d, t=3, hkv=2, dd=64, g=1, key_dtype=f16, slots=None, slot_dtype=i64, cache=None, **kw):
+    key = _x(d, t, hkv, dd, dtype=key_dtype)
+    sm = torch.tensor(slots if slots is not None else list(range(t)), dtype=slot_dtype, device=d)
+    return (key, key.clone(), *(cache or _int4_cache(d, hkv=hkv, dd=dd, g=g)), sm, g), kw
+
+
+def _side(d, n=3, hkv=2, sinks=2, window=4, dd=64, dtype=f16):
+    s = torch.zeros(n, hkv, sinks + window, dd, dtype=dtype, device=d)
+    return s, s.clone()
+
+
+def _skvq(d, b=2, t=5, hkv=2, dd=64, g=1, sinks=2, window=4, key_dtype=f16, side=None, side_slots=None, sl=None,
+          cu=None, bt=None, **kw):  # fmt: skip
+    key = _x(d, t, hkv, dd, dtype=key_dtype)
+    slots = side_slots if side_slots is not None else torch.arange(b, dtype=i32, device=d)
+    lens = sl if sl is not None else torch.tensor([3] * (b - 1) + [t - 3 * (b - 1)], dtype=i32, device=d)
+    cus = cu if cu is not None else torch.tensor([0, *range(3, 3 * b, 3)][:b] + [t], dtype=i32, device=d)
+    tables = bt if bt is not None else torch.zeros(b, 1, dtype=i32, device=d)
+    return (
+        key, key.clone(), *_int4_cache(d, hkv=hkv, dd=dd, g=g), *(side or _side(d, hkv=hkv, sinks=sinks, window=window,
+        dd=dd)), tables, slots, lens, cus, g, sinks, window,
+    ), kw  # fmt: skip
+
+
+def _int4_decode(d, b=2, hq=4, hkv=2, dd=64, g=1, q=None, bt=None, sl=None, cache=None, skvq=None, **kw):
+    query = q if q is not None else _x(d, b, hq, dd)
+    block_tables = bt if bt is not None else torch.zeros(b, 2, dtype=i32, device=d)
+    seq_lens = sl if sl is not None else torch.full((b,), 5, dtype=i32, device=d)
+    extra = skvq if skvq is not None else ()
+    return (query, *(cache or _int4_cache(d, hkv=hkv, dd=dd, g=g)), block_tables, seq_lens, 1.0, g, *extra), kw
+
+
+def _skvq_side(d, n=3, hkv=2, sinks=2, window=4, dd=64, dtype=f16, slots=None):
+    k, v = _side(d, n, hkv, sinks, window, dd, dtype)
+    ss = slots if slots is not None else torch.tensor([0, 2], dtype=i32, device=d)
+    return (k, v, ss, sinks, window)
+
+
 BAD: list[Bad] = [
     # quantization
     Bad(
@@ -342,6 +388,267 @@ BAD: list[Bad] = [
         "seq_lens must be in",
         only="cpu",
     ),
+    # int4 KV cache (seed-002 rows)
+    Bad(
+        "quantize_kv_int4",
+        "f32-input",
+        lambda d: ((_x(d, 2, 64, dtype=f32), 1), {}),
+        TypeError,
+        "kv must be float16 or bfloat16, got float32",
+    ),
+    Bad(
+        "quantize_kv_int4",
+        "head-dim",
+        lambda d: ((_x(d, 2, 96), 1), {}),
+        ValueError,
+        r"kv's last dimension \(the head dim D\) must be 64 or 128, got 96",
+    ),
+    Bad("quantize_kv_int4", "groups", lambda d: ((_x(d, 2, 64), 2), {}), ValueError, "num_groups must be 1 or 4"),
+    Bad(
+        "quantize_kv_int4",
+        "strided-last-dim",
+        lambda d: ((_x(d, 64, 2).t(), 1), {}),
+        ValueError,
+        "kv's last dimension must be contiguous",
+    ),
+    Bad(
+        "quantize_kv_int4",
+        "clip-ratio",
+        lambda d: ((_x(d, 2, 64), 1), {"clip_ratio": 1.5}),
+        ValueError,
+        r"clip_ratio must be in \(0, 1\], got 1.5",
+    ),
+    Bad(
+        "reshape_and_cache_int4",
+        "f32-key",
+        lambda d: _int4_write(d, key_dtype=f32),
+        TypeError,
+        "key must be float16 or bfloat16, got float32",
+    ),
+    Bad(
+        "reshape_and_cache_int4",
+        "int8-cache",
+        lambda d: _int4_write(d, cache=_int4_cache(d, dtype=i8)),
+        TypeError,
+        "k_cache must be uint8, got int8",
+    ),
+    Bad(
+        "reshape_and_cache_int4",
+        "block-size",
+        lambda d: _int4_write(d, cache=_int4_cache(d, bs=8)),
+        ValueError,
+        r"block_size \(k_cache.shape\[2\]\) must be one of \(16, 32, 64, 128\), got 8",
+    ),
+    Bad(
+        "reshape_and_cache_int4",
+        "row-bytes",
+        lambda d: _int4_write(d, g=1, cache=_int4_cache(d, g=4)),
+        ValueError,
+        r"k_cache's row bytes \(48\) must be 4 \* num_groups \+ D / 2",
+    ),
+    Bad(
+        "reshape_and_cache_int4",
+        "heads",
+        lambda d: _int4_write(d, hkv=2, cache=_int4_cache(d, hkv=4)),
+        ValueError,
+        r"key's \[H_kv, D\] = \[2, 64\] must match the cache's \[H_kv, D\] = \[4, 64\]",
+    ),
+    Bad(
+        "reshape_and_cache_int4",
+        "int32-slots",
+        lambda d: _int4_write(d, slot_dtype=i32),
+        TypeError,
+        "slot_mapping must be int64, got int32",
+    ),
+    Bad(
+        "reshape_and_cache_int4",
+        "clip-ratio",
+        lambda d: _int4_write(d, clip_ratio=0.0),
+        ValueError,
+        r"clip_ratio must be in \(0, 1\], got 0.0",
+    ),
+    Bad(
+        "reshape_and_cache_int4",
+        "slot-out-of-range",
+        lambda d: _int4_write(d, slots=[0, 1, 999]),
+        ValueError,
+        "slot_mapping holds slots outside",
+        only="cpu",
+    ),
+    Bad(
+        "reshape_and_cache_int4",
+        "duplicate-slots",
+        lambda d: _int4_write(d, slots=[3, 3, 4]),
+        ValueError,
+        "several tokens to one slot",
+        only="cpu",
+    ),
+    Bad(
+        "skvq_cache_write",
+        "f32-key",
+        lambda d: _skvq(d, key_dtype=f32),
+        TypeError,
+        "key must be float16 or bfloat16, got float32",
+    ),
+    Bad(
+        "skvq_cache_write",
+        "side-dtype",
+        lambda d: _skvq(d, side=_side(d, dtype=bf16)),
+        TypeError,
+        "k_side must be float16, got bfloat16",
+    ),
+    Bad(
+        "skvq_cache_write",
+        "side-shape",
+        lambda d: _skvq(d, side=_side(d, window=5)),
+        ValueError,
+        r"k_side must be \[num_side_slots, H_kv, sinks \+ window, D\] = \[\*, 2, 6, 64\]",
+    ),
+    Bad(
+        "skvq_cache_write",
+        "negative-sinks",
+        lambda d: _skvq(d, sinks=-1, side=_side(d, sinks=0, window=4)),
+        ValueError,
+        "sinks and window must be >= 0, got -1 and 4",
+    ),
+    Bad(
+        "skvq_cache_write",
+        "side-rows-without-side-tokens",
+        lambda d: _skvq(d, sinks=0, window=0, side=_side(d, sinks=0, window=1)),
+        ValueError,
+        r"k_side must be \[num_side_slots, H_kv, sinks \+ window, D\] = \[\*, 2, 0, 64\]",
+    ),
+    Bad(
+        "skvq_cache_write",
+        "int64-side-slots",
+        lambda d: _skvq(d, side_slots=torch.zeros(2, dtype=i64, device=d)),
+        TypeError,
+        "side_slots must be int32, got int64",
+    ),
+    Bad(
+        "skvq_cache_write",
+        "cu-seqlens-shape",
+        lambda d: _skvq(d, cu=torch.tensor([0, 5], dtype=i32, device=d)),
+        ValueError,
+        r"cu_seqlens must be int32 \[B \+ 1\] = \[3\]",
+    ),
+    Bad(
+        "skvq_cache_write",
+        "block-tables-rows",
+        lambda d: _skvq(d, bt=torch.zeros(3, 1, dtype=i32, device=d)),
+        ValueError,
+        r"block_tables must be int32 \[B, max_blocks\] with B = 2",
+    ),
+    Bad(
+        "skvq_cache_write",
+        "more-new-tokens-than-length",
+        lambda d: _skvq(d, sl=torch.tensor([2, 2], dtype=i32, device=d)),
+        ValueError,
+        r"sequence 0 gets 3 new tokens but seq_lens\[0\] = 2",
+        only="cpu",
+    ),
+    Bad(
+        "skvq_cache_write",
+        "side-slot-out-of-range",
+        lambda d: _skvq(d, side_slots=torch.tensor([0, 3], dtype=i32, device=d)),
+        ValueError,
+        r"side_slots must lie in \[0, 3\)",
+        only="cpu",
+    ),
+    Bad(
+        "int4_gqa_decode",
+        "2d-query",
+        lambda d: _int4_decode(d, q=_x(d, 2, 64)),
+        ValueError,
+        r"query must be \[B, HQ, D\]",
+    ),
+    Bad(
+        "int4_gqa_decode",
+        "query-head-dim",
+        lambda d: _int4_decode(d, q=_x(d, 2, 4, 128)),
+        ValueError,
+        r"query's D = 128 must match the cache's D = 64 \(row bytes 36\)",
+    ),
+    Bad(
+        "int4_gqa_decode",
+        "groups",
+        lambda d: _int4_decode(d, g=2, cache=_int4_cache(d)),
+        ValueError,
+        "num_groups must be 1 or 4, got 2",
+    ),
+    Bad(
+        "int4_gqa_decode",
+        "gqa-ratio",
+        lambda d: _int4_decode(d, hq=3),
+        ValueError,
+        r"the number of query heads \(3\) must be a multiple of the number of kv heads \(2\)",
+    ),
+    Bad(
+        "int4_gqa_decode",
+        "int64-block-tables",
+        lambda d: _int4_decode(d, bt=torch.zeros(2, 2, dtype=i64, device=d)),
+        TypeError,
+        "block_tables must be int32",
+    ),
+    Bad(
+        "int4_gqa_decode",
+        "seq-lens-shape",
+        lambda d: _int4_decode(d, sl=torch.ones(3, dtype=i32, device=d)),
+        ValueError,
+        r"seq_lens must be int32 \[B\] = \[2\]",
+    ),
+    Bad(
+        "int4_gqa_decode",
+        "window-without-side",
+        lambda d: _int4_decode(d, skvq=(None, None, None, 0, 4)),
+        ValueError,
+        "sinks and window need the side buffers k_side, v_side and side_slots",
+    ),
+    Bad(
+        "int4_gqa_decode",
+        "side-shape",
+        lambda d: _int4_decode(d, skvq=(*_side(d, window=5), torch.zeros(2, dtype=i32, device=d), 2, 4)),
+        ValueError,
+        r"k_side must be \[num_side_slots, H_kv, sinks \+ window, D\]",
+    ),
+    Bad(
+        "int4_gqa_decode",
+        "side-dtype",
+        lambda d: _int4_decode(d, skvq=_skvq_side(d, dtype=bf16)),
+        TypeError,
+        "k_side must be float16, got bfloat16",
+    ),
+    Bad(
+        "int4_gqa_decode",
+        "num-splits",
+        lambda d: _int4_decode(d, skvq=(None, None, None, 0, 0, -1)),
+        ValueError,
+        "num_splits must be >= 0",
+    ),
+    Bad(
+        "int4_gqa_decode",
+        "merge",
+        lambda d: _int4_decode(d, merge="tree"),
+        ValueError,
+        "merge must be auto, cluster, fused or separate",
+    ),
+    Bad("int4_gqa_decode", "warps", lambda d: _int4_decode(d, warps=6), ValueError, "warps must be 0"),
+    Bad(
+        "int4_gqa_decode",
+        "seq-len-past-table",
+        lambda d: _int4_decode(d, sl=torch.full((2,), 33, dtype=i32, device=d)),
+        ValueError,
+        "seq_lens must be in",
+        only="cpu",
+    ),
+    Bad(
+        "int4_gqa_decode",
+        "side-slot-out-of-range",
+        lambda d: _int4_decode(d, skvq=_skvq_side(d, slots=torch.tensor([0, 3], dtype=i32, device=d))),
+        ValueError,
+        r"side_slots must lie in \[0, 3\)",
+        only="cpu",
+    ),
 ]
 
 
@@ -352,7 +659,7 @@ def _run(case: Bad, device: str) -> None:
 
 
 def test_every_op_with_a_cuda_kernel_has_bad_calls():
-    # the ops of the CUDA build (int4 ops have reference implementations only so far)
+    # every op of the CUDA build, and the int4 KV ops, whose kernels follow the same messages
     covered = {c.op for c in BAD}
     assert {
         "quant_per_token",
@@ -363,6 +670,10 @@ def test_every_op_with_a_cuda_kernel_has_bad_calls():
         "w8a8_gemm",
         "reshape_and_cache_int8",
         "paged_decode_attention_int8",
+        "quantize_kv_int4",
+        "reshape_and_cache_int4",
+        "skvq_cache_write",
+        "int4_gqa_decode",
     } <= covered
     assert covered <= set(qops.op_names())
 

@@ -9,7 +9,8 @@
 # The default selection covers every hand-written kernel with small problems: the property tests
 # (random shapes, --hypothesis-profile=sanitize: a few examples each), the bad-call contracts, the
 # PDL chains (norm, SiLU, quant, GEMV, cache write, decode attention back to back), the int8 KV write,
-# the decode attention's small cases and the decode GEMV at every launch shape.
+# the decode attention's small cases, the decode GEMV at every launch shape, and the int4 KV
+# writes (bit-exact cases) and decode (every merge path, with and without SKVQ's side tokens).
 set -uo pipefail
 TOOLS=memcheck,racecheck,synccheck
 OUT=${OUT:-$PWD/sanitize_out}
@@ -27,7 +28,12 @@ if [ ${#ARGS[@]} -eq 0 ]; then
         tests/test_properties.py tests/test_contracts.py tests/test_pdl.py tests/test_kv_cache.py
         "tests/test_attention.py::test_gpu_small_fused_merge_matches_unfused"
         "tests/test_attention.py::test_gpu_small_forced_warps"
-        "tests/test_w8a8_gemm.py::test_gemv_every_launch_shape")
+        "tests/test_w8a8_gemm.py::test_gemv_every_launch_shape"
+        "tests/test_int4_kv_cuda.py::test_quantize_kv_int4_bit_exact"
+        "tests/test_int4_kv_cuda.py::test_reshape_and_cache_int4_bit_exact"
+        "tests/test_int4_kv_cuda.py::test_skvq_cache_write_bit_exact"
+        "tests/test_int4_kv_cuda.py::test_int4_decode_skvq_merges"
+        "tests/test_int4_kv_cuda.py::test_int4_decode_merges")
 fi
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1

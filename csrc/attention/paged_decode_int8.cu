@@ -111,8 +111,50 @@ constexpr int kStages = D == 128 ? 4 : 6;
 template <int D>
 constexpr int kChunksPerStep = D == 64 ? 2 : 1;
 
-template <int D, int NW>
-constexpr int kPipeBytes = NW * kStages<D> * Stage<D>::kBytes;
+// ---- the cache formats (template parameter kFmt) ------------------------------------------------
+// int8 with dynamic (per token) or static scales, or seed-002 int4 rows of 1 or 4 groups.
+constexpr int kFmtInt8 = 0, kFmtInt8Static = 1, kFmtInt4G1 = 2, kFmtInt4G4 = 3;
+template <int kFmt>
+constexpr int kFmtGroups = kFmt == kFmtInt4G4 ? 4 : 1;
+
+// An int4 stage: a 16-token chunk of K rows then of V rows, each 16 rows of kRB bytes copied as
+// one contiguous run of kRB 16-byte pieces (a block's rows are contiguous; 16 rows of a 4-byte
+// multiple are a 16-byte multiple). Rows start at 4-byte boundaries: 32-bit fragment loads.
+template <int D, int KG>
+struct Stage4 {
+  static constexpr int kRB = 4 * KG + D / 2;  // row bytes
+  static constexpr int kKBytes = 16 * kRB;
+  static constexpr int kBytes = 2 * kKBytes;
+};
+// Stages per warp for int4 (a chunk is 1/4 of int8's bytes): more chunks in flight per warp.
+template <int D>
+constexpr int kStages4 = D == 128 ? 6 : 8;
+
+template <int D, int kFmt>
+constexpr int kStageBytes =
+    kFmt >= kFmtInt4G1 ? Stage4<D, kFmtGroups<kFmt>>::kBytes : Stage<D>::kBytes;
+template <int D, int kFmt>
+constexpr int kNumStages = kFmt >= kFmtInt4G1 ? kStages4<D> : kStages<D>;
+
+// One 16-token chunk of int4 K and V as a thread holds it (32-bit words of the rows).
+// K: rows gid and gid + 8, their KG headers (scale | shift << 16) and NKW data words: word
+// 4 j + t4 for j < NKW (each word: 8 channels, two k-steps' worth of this thread's A fragment),
+// or at D = 64 with 4 groups word 2 j + t4 / 2 (one k-step, half a word: k-steps must not mix
+// groups). V: rows 2 t4, 2 t4 + 1, 2 t4 + 8, 2 t4 + 9 (the k of V^T's A fragment), the header of
+// the thread's group and D / 64 data words 2 gid + jj (D = 128) or gid (D = 64).
+template <int D, int KG>
+struct Chunk4 {
+  static constexpr bool kHalfWords = D == 64 && KG == 4;
+  static constexpr int NKW = kHalfWords ? 4 : D / 32;
+  uint32_t kh[2][KG];
+  uint32_t k[2][NKW];
+  uint32_t vh[4];
+  uint32_t v[4][D / 64];
+  bool ok;
+};
+
+template <int D, int kFmt, int NW>
+constexpr int kPipeBytes = NW * kNumStages<D, kFmt> * kStageBytes<D, kFmt>;
 
 template <int D, bool kTwoRows, int NW>
 constexpr int kMergeBytes = NW * (kTwoRows ? 16 : 8) * (D + 4) * 4 + 2 * NW * 16 * 4;
@@ -125,23 +167,30 @@ constexpr int kMergeBytes = NW * (kTwoRows ? 16 : 8) * (D + 4) * 4 + 2 * NW * 16
 template <int D, bool kTwoRows>
 constexpr int kRecvUnits = (kTwoRows ? 16 : 8) * D / 4 + kPagedDecodeMaxClusterSplits;
 
-template <int D, bool kTwoRows, int NW>
+template <int D, bool kTwoRows, int kFmt, int NW>
 constexpr int kBaseSmemBytes =
-    kPipeBytes<D, NW> > kMergeBytes<D, kTwoRows, NW> ? kPipeBytes<D, NW>
-                                                     : kMergeBytes<D, kTwoRows, NW>;
+    kPipeBytes<D, kFmt, NW> > kMergeBytes<D, kTwoRows, NW> ? kPipeBytes<D, kFmt, NW>
+                                                           : kMergeBytes<D, kTwoRows, NW>;
 
-template <int D, bool kTwoRows, int NW, bool kCluster>
-constexpr int kSmemBytes =
-    kBaseSmemBytes<D, kTwoRows, NW> + (kCluster ? 16 + kRecvUnits<D, kTwoRows> * (16 + 4) : 0);
+template <int D, bool kTwoRows, int kFmt, int NW, bool kCluster>
+constexpr int kSmemBytes = kBaseSmemBytes<D, kTwoRows, kFmt, NW> +
+                           (kCluster ? 16 + kRecvUnits<D, kTwoRows> * (16 + 4) : 0);
 
 // ---- the split kernel ---------------------------------------------------------------------------
 // CTAs per SM the register budget is set for (D=128 with 16 query rows needs ~240 registers).
-template <int D, bool kTwoRows, int NW>
-constexpr int kMinBlocksPerSm = NW == 8 ? 1 : (D == 128 && kTwoRows ? 2 : 3);
+// int4 row-wise at D = 128 with <= 8 query heads per kv head: 4 (its 127 registers fit 128, and 4
+// CTAs' pipelines 209 KB of shared memory).
+template <int D, bool kTwoRows, int kFmt, int NW>
+constexpr int kMinBlocksPerSm =
+    NW == 8 ? 1
+            : (kFmt == kFmtInt4G1 && D == 128 && !kTwoRows ? 4 : (D == 128 && kTwoRows ? 2 : 3));
 
-template <typename T, int D, bool kTwoRows, bool kStatic, int NW, bool kCluster>
-__global__ void __launch_bounds__(NW * 32, kMinBlocksPerSm<D, kTwoRows, NW>)
+template <typename T, int D, bool kTwoRows, int kFmt, int NW, bool kCluster>
+__global__ void __launch_bounds__(NW * 32, kMinBlocksPerSm<D, kTwoRows, kFmt, NW>)
     paged_decode_int8_kernel(const PagedDecodeInt8Params p) {
+  constexpr bool kStatic = kFmt == kFmtInt8Static;
+  constexpr bool kInt4 = kFmt >= kFmtInt4G1;
+  constexpr int KG = kFmtGroups<kFmt>;
   constexpr int kWarps = NW;
   constexpr int kThreads = NW * 32;
   constexpr int KC = D / 16;            // k-steps of Q K^T
@@ -151,8 +200,9 @@ __global__ void __launch_bounds__(NW * 32, kMinBlocksPerSm<D, kTwoRows, NW>)
   constexpr int KW = D / 64;
   constexpr int kRows = kTwoRows ? 16 : 8;
   constexpr int kPad = 4;
-  constexpr int S = kStages<D>;
-  constexpr int NC = kChunksPerStep<D>;
+  constexpr int S = kNumStages<D, kFmt>;
+  constexpr int NC = kInt4 ? 1 : kChunksPerStep<D>;
+  constexpr int kSB = kStageBytes<D, kFmt>;
   extern __shared__ __align__(16) unsigned char smem[];
 
   // Programmatic dependent launch (when the launch allows it, see split_config): wait for the
@@ -184,8 +234,8 @@ __global__ void __launch_bounds__(NW * 32, kMinBlocksPerSm<D, kTwoRows, NW>)
   const int units = rows * (D / kUnit);
   const int u_per = (units + num_splits - 1) / num_splits;
   const int u0 = min(units, split * u_per), u1 = min(units, u0 + u_per);
-  uint64_t* r_bar = reinterpret_cast<uint64_t*>(smem + kBaseSmemBytes<D, kTwoRows, NW>);
-  float4* r_part = reinterpret_cast<float4*>(smem + kBaseSmemBytes<D, kTwoRows, NW> + 16);
+  uint64_t* r_bar = reinterpret_cast<uint64_t*>(smem + kBaseSmemBytes<D, kTwoRows, kFmt, NW>);
+  float4* r_part = reinterpret_cast<float4*>(smem + kBaseSmemBytes<D, kTwoRows, kFmt, NW> + 16);
   float* r_lse = reinterpret_cast<float*>(r_part + kRecvUnits<D, kTwoRows>);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   if constexpr (kCluster) {
@@ -221,20 +271,33 @@ __global__ void __launch_bounds__(NW * 32, kMinBlocksPerSm<D, kTwoRows, NW>)
   // they are in flight: ahead of the first chunk, two round trips (seq_len, the block ids and Q
   // together, then K/V), not three (seq_len, then Q, then K/V: ptxas had scheduled the Q loads
   // after the seq_len-dependent code, and the K/V copies came after the Q fragments).
-  uint4 qraw[NH][KW][2];  // this thread's 16 (D=64) or 32 query values of head gid + 8h
+  // int8: 16 (D=64) or 32 query values of head gid + 8h, d = kw * 64 + t4 * 16 + [0, 16);
+  // int4: the 8 channels of each K word this thread converts (Chunk4), 8 w + [0, 8).
+  using C4 = Chunk4<D, KG>;
+  constexpr int QW = kInt4 ? C4::NKW : 2 * KW;
+  auto q_word_channel = [&](int i) {  // int4: the first channel of the thread's i-th K word
+    return C4::kHalfWords ? 16 * i + 8 * (t4 >> 1) : 32 * i + 8 * t4;
+  };
+  uint4 qraw[NH][QW];
   float my_slope[NH];
 #pragma unroll
   for (int h = 0; h < NH; ++h) {
     const int row = gid + 8 * h;
     my_slope[h] = 0.f;
 #pragma unroll
-    for (int kw = 0; kw < KW; ++kw) qraw[h][kw][0] = qraw[h][kw][1] = make_uint4(0, 0, 0, 0);
+    for (int i = 0; i < QW; ++i) qraw[h][i] = make_uint4(0, 0, 0, 0);
     if (row < rows) {
       const T* qp = static_cast<const T*>(p.query) + b * p.q_stride_b + (h0 + row) * p.q_stride_h;
+      if constexpr (kInt4) {
 #pragma unroll
-      for (int kw = 0; kw < KW; ++kw) {
-        qraw[h][kw][0] = __ldg(reinterpret_cast<const uint4*>(qp + kw * 64 + t4 * 16));
-        qraw[h][kw][1] = __ldg(reinterpret_cast<const uint4*>(qp + kw * 64 + t4 * 16 + 8));
+        for (int i = 0; i < QW; ++i)
+          qraw[h][i] = __ldg(reinterpret_cast<const uint4*>(qp + q_word_channel(i)));
+      } else {
+#pragma unroll
+        for (int kw = 0; kw < KW; ++kw) {
+          qraw[h][2 * kw] = __ldg(reinterpret_cast<const uint4*>(qp + kw * 64 + t4 * 16));
+          qraw[h][2 * kw + 1] = __ldg(reinterpret_cast<const uint4*>(qp + kw * 64 + t4 * 16 + 8));
+        }
       }
       if (p.alibi_slopes != nullptr) my_slope[h] = __ldg(p.alibi_slopes + h0 + row) * kLog2e;
     }
@@ -244,14 +307,22 @@ __global__ void __launch_bounds__(NW * 32, kMinBlocksPerSm<D, kTwoRows, NW>)
 
   int L = p.seq_lens[b];
   L = max(0, min(L, p.max_blocks * bs));
-  const int nchunks = (L + 15) >> 4;
-  const int per = chunks_per_split(nchunks);
-  const int c_begin = split * per;
+  // The tokens read from the cache: [lo, hi). int8: all. int4 with SKVQ: not the sinks nor the
+  // window (skvq_side_decode reads those).
+  int lo = 0, hi = L;
+  if constexpr (kInt4) {
+    lo = min(p.sinks, L);
+    hi = max(lo, L - p.window);
+  }
+  const int nchunks = (hi + 15) >> 4;
+  const int c_first = lo >> 4;
+  const int per = chunks_per_split(nchunks - c_first);
+  const int c_begin = c_first + split * per;
   const int c_end = min(nchunks, c_begin + per);
 
   int bt_cache = 0;
 
-  unsigned char* my_pipe = smem + warp * S * Stage<D>::kBytes;
+  unsigned char* my_pipe = smem + warp * S * kSB;
   const unsigned pipe_s = smem_addr(my_pipe);
   unsigned s_off[D / 32];  // stage offset of this lane's i-th 16-byte piece (see issue)
 #pragma unroll
@@ -284,11 +355,26 @@ __global__ void __launch_bounds__(NW * 32, kMinBlocksPerSm<D, kTwoRows, NW>)
     if (!ok) blk = 0;  // never read out of bounds; the chunk is masked
     const int off = (c << 4) & (bs - 1);
     const int64_t sbase = (static_cast<int64_t>(blk) * p.num_kv_heads + kvh) * bs + off;
+    if constexpr (kInt4) {  // the chunk's 16 K rows, then its 16 V rows: kRB pieces each
+      constexpr int RB = Stage4<D, KG>::kRB;
+      const int8_t* kb = p.k_cache + sbase * RB;
+      const int8_t* vb = p.v_cache + sbase * RB;
+      const unsigned st_k = pipe_s + st * kSB;
+#pragma unroll
+      for (int i = 0; i < (RB + 31) / 32; ++i) {
+        const int piece = lane + 32 * i;
+        if (RB % 32 == 0 || piece < RB) {
+          cp_async16(st_k + 16 * piece, kb + 16 * piece);
+          cp_async16(st_k + Stage4<D, KG>::kKBytes + 16 * piece, vb + 16 * piece);
+        }
+      }
+      return;
+    }
     // 16 rows x D/16 pieces of 16 bytes: piece lane + 32 i sits at byte 16 * (lane + 32 i) of the
     // chunk's contiguous [16][D] rows; its stage slot (swizzled) is s_off[i].
     const int8_t* kb = p.k_cache + sbase * D + lane * 16;
     const int8_t* vb = p.v_cache + sbase * D + lane * 16;
-    const unsigned st_k = pipe_s + st * Stage<D>::kBytes;
+    const unsigned st_k = pipe_s + st * kSB;
 #pragma unroll
     for (int i = 0; i < D / 32; ++i) {
       cp_async16(st_k + s_off[i], kb + 512 * i);
@@ -303,8 +389,43 @@ __global__ void __launch_bounds__(NW * 32, kMinBlocksPerSm<D, kTwoRows, NW>)
   };
 
   // Reads stage st into the fragment registers.
+  // int4: reads stage st into the fragment words (Chunk4).
+  auto read_stage4 = [&](C4& x, int st) {
+    constexpr int RB = Stage4<D, KG>::kRB;
+    const unsigned char* st_k = my_pipe + st * kSB;
+    const unsigned char* st_v = st_k + Stage4<D, KG>::kKBytes;
+    auto word = [](const unsigned char* base, int row, int byte) {
+      return *reinterpret_cast<const uint32_t*>(base + row * RB + byte);
+    };
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = gid + 8 * r;
+      if constexpr (KG == 4) {  // 80-byte (D=128) or 48-byte rows: the header is 16-byte aligned
+        const uint4 h4 = *reinterpret_cast<const uint4*>(st_k + row * RB);
+        x.kh[r][0] = h4.x;
+        x.kh[r][1] = h4.y;
+        x.kh[r][2] = h4.z;
+        x.kh[r][3] = h4.w;
+      } else {
+        x.kh[r][0] = word(st_k, row, 0);
+      }
+#pragma unroll
+      for (int j = 0; j < C4::NKW; ++j) x.k[r][j] = word(st_k, row, 4 * KG + q_word_channel(j) / 2);
+    }
+    const int vg = KG == 4 ? gid >> 1 : 0;  // the group of this thread's V channels
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int row = 2 * t4 + (j & 1) + 8 * (j >> 1);
+      x.vh[j] = word(st_v, row, 4 * vg);
+#pragma unroll
+      for (int jj = 0; jj < D / 64; ++jj)
+        x.v[j][jj] = word(st_v, row, 4 * KG + 4 * ((D / 64) * gid + jj));
+    }
+    x.ok = (ok_mask >> st) & 1u;
+  };
+
   auto read_stage = [&](Chunk<D>& x, int st) {
-    const unsigned char* st_k = my_pipe + st * Stage<D>::kBytes;
+    const unsigned char* st_k = my_pipe + st * kSB;
     const unsigned char* st_v = st_k + Stage<D>::kKBytes;
 #pragma unroll
     for (int kw = 0; kw < KW; ++kw) {
@@ -361,24 +482,29 @@ __global__ void __launch_bounds__(NW * 32, kMinBlocksPerSm<D, kTwoRows, NW>)
   // per head 8h + 2*t4 + e (the S^T columns this thread holds): the score scale (sm_scale, log2 e,
   // the bf16 power of two, a static K scale) and the ALiBi slope, log2 domain
   float rs[NH][2], slope[NH][2];
+  // int4 (the K rows enter S^T unscaled, as 1024 + q, or 1024 + 16 q for a word's odd nibbles,
+  // whose Q values are divided by 16): per head 8h + 2*t4 + e and group g, c_off = 1024 * (the
+  // sum of the group's Q values as they enter the MMA) and q_sum = the sum of its Q values; then
+  // S = sum_g scale_g * (S_g - c_off_g) + shift_g * q_sum_g (docs/int4.md).
+  float c_off[NH][2][KG], q_sum[NH][2][KG];
 #pragma unroll
   for (int h = 0; h < NH; ++h) {
     const int row = gid + 8 * h;
-    float qf[KW][16];
+    float qf[QW][8];
 #pragma unroll
-    for (int kw = 0; kw < KW; ++kw) {
-      const T* e = reinterpret_cast<const T*>(&qraw[h][kw][0]);  // [0] and [1]: 16 values
+    for (int i = 0; i < QW; ++i) {
+      const T* e = reinterpret_cast<const T*>(&qraw[h][i]);
 #pragma unroll
-      for (int i = 0; i < 16; ++i) qf[kw][i] = to_float(e[i]);
+      for (int j = 0; j < 8; ++j) qf[i][j] = to_float(e[j]);
     }
     float scale = 1.f, inv = 1.f;
     if constexpr (std::is_same<T, __nv_bfloat16>::value) {
       // a power of two that brings max|q| into [2^14, 2^15): the fp16 conversion is then exact
       float mx = 0.f;
 #pragma unroll
-      for (int kw = 0; kw < KW; ++kw)
+      for (int i = 0; i < QW; ++i)
 #pragma unroll
-        for (int i = 0; i < 16; ++i) mx = fmaxf(mx, fabsf(qf[kw][i]));
+        for (int j = 0; j < 8; ++j) mx = fmaxf(mx, fabsf(qf[i][j]));
       mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 2));
       if (mx > 0.f && mx < INFINITY) {
@@ -389,14 +515,50 @@ __global__ void __launch_bounds__(NW * 32, kMinBlocksPerSm<D, kTwoRows, NW>)
         inv = ldexpf(1.f, -sh);
       }
     }
+    if constexpr (kInt4) {
+      // k-step kc: word kc / 2, nibbles {0, 4 | 1, 5} (kc even) or {2, 6 | 3, 7} (odd); with half
+      // words (D = 64, 4 groups), word kc, the half t4 & 1.
+      float cs[KG], qs[KG];
 #pragma unroll
-    for (int kw = 0; kw < KW; ++kw)
+      for (int g = 0; g < KG; ++g) cs[g] = qs[g] = 0.f;
 #pragma unroll
-      for (int w = 0; w < 4; ++w) {
-        const int c = kw * 4 + w;
-        qb[h][c][0] = pack_f16x2(qf[kw][4 * w] * scale, qf[kw][4 * w + 1] * scale);
-        qb[h][c][1] = pack_f16x2(qf[kw][4 * w + 2] * scale, qf[kw][4 * w + 3] * scale);
+      for (int kc = 0; kc < KC; ++kc) {
+        const int wi = C4::kHalfWords ? kc : kc / 2;
+        const int g = kc / (KC / KG);
+        const bool odd = C4::kHalfWords ? (t4 & 1) != 0 : (kc & 1) != 0;
+        const float e0 = odd ? qf[wi][2] : qf[wi][0], e1 = odd ? qf[wi][6] : qf[wi][4];
+        const float o0 = odd ? qf[wi][3] : qf[wi][1], o1 = odd ? qf[wi][7] : qf[wi][5];
+        const __half2 b0 = __floats2half2_rn(e0 * scale, e1 * scale);
+        const __half2 b1 = __floats2half2_rn(o0 * scale * 0.0625f, o1 * scale * 0.0625f);
+        qb[h][kc][0] = *reinterpret_cast<const uint32_t*>(&b0);
+        qb[h][kc][1] = *reinterpret_cast<const uint32_t*>(&b1);
+        const float2 f0 = __half22float2(b0), f1 = __half22float2(b1);
+        cs[g] += (f0.x + f0.y) + (f1.x + f1.y);
+        qs[g] += (f0.x + f0.y) + 16.f * (f1.x + f1.y);
       }
+#pragma unroll
+      for (int g = 0; g < KG; ++g) {  // over the 4 threads of head gid, then to the S^T columns
+        cs[g] += __shfl_xor_sync(kFull, cs[g], 1);
+        cs[g] += __shfl_xor_sync(kFull, cs[g], 2);
+        qs[g] += __shfl_xor_sync(kFull, qs[g], 1);
+        qs[g] += __shfl_xor_sync(kFull, qs[g], 2);
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          c_off[h][e][g] = 1024.f * __shfl_sync(kFull, cs[g], (2 * t4 + e) * 4);
+          q_sum[h][e][g] = __shfl_sync(kFull, qs[g], (2 * t4 + e) * 4);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int kw = 0; kw < KW; ++kw)
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+          const int c = kw * 4 + w;
+          const float* q8 = qf[2 * kw + w / 2] + 4 * (w & 1);  // d offset 4 w of this kw
+          qb[h][c][0] = pack_f16x2(q8[0] * scale, q8[1] * scale);
+          qb[h][c][1] = pack_f16x2(q8[2] * scale, q8[3] * scale);
+        }
+    }
     const float my_scale = row < rows ? p.sm_scale * kLog2e * inv * k_static : 0.f;
 #pragma unroll
     for (int e = 0; e < 2; ++e) {  // head 8h + 2*t4 + e is row 2*t4 + e of n-tile h: lane 4 * that
@@ -428,7 +590,7 @@ __global__ void __launch_bounds__(NW * 32, kMinBlocksPerSm<D, kTwoRows, NW>)
   // hi + lo carries each P' 2^p_exp to a relative 2^-22, or an absolute 2^-24 below 2^-2, against
   // terms of up to 2^15: far below the fp16 output's rounding.
   int v_bits = 0;
-  int p_exp = kStatic ? 6 : 63;
+  int p_exp = kInt4 ? 0 : (kStatic ? 6 : 63);         // int4: P and V are plain fp16 (below)
   float p_inv = __int_as_float((127 - p_exp) << 23);  // 2^-p_exp: O is kept in units of 2^p_exp
   // O^T = V^T P'^T, m-tile i (16 head-dim rows) x n-tile h (8 query heads): thread holds
   // d = gid * DPT + 2 * i + {0 (c0, c1), 1 (c2, c3)} for heads 8 * h + 2 * t4 + {0 (c0, c2), 1}.
@@ -441,6 +603,137 @@ __global__ void __launch_bounds__(NW * 32, kMinBlocksPerSm<D, kTwoRows, NW>)
   // One main-loop step: NC chunks (c[q]: chunk index, x[q]: its fragments; x[q].ok false for a
   // chunk past this warp's range, which then counts for nothing). Their scores share one rescale
   // vote and one max reduction, and their S^T and P V products are independent chains.
+  // int4: one chunk. S^T = K Q^T per group on the raw words (1024 + q, 1024 + 16 q: one LOP3
+  // per half2), then the rows' scales and shifts (see c_off); V dequantized to fp16 in registers
+  // (q * scale + shift, two half2 FMAs per pair) and O += V^T P^T with P = exp2(s - m) in fp16.
+  auto compute4 = [&](const C4& x, int c) {
+    float s[KG][NH][4];
+#pragma unroll
+    for (int g = 0; g < KG; ++g)
+#pragma unroll
+      for (int h = 0; h < NH; ++h) s[g][h][0] = s[g][h][1] = s[g][h][2] = s[g][h][3] = 0.f;
+    const int shift = C4::kHalfWords ? 8 * (t4 & 1) : 0;
+#pragma unroll
+    for (int kc = 0; kc < KC; ++kc) {
+      const int wi = C4::kHalfWords ? kc : kc / 2;
+      const int g = kc / (KC / KG);
+      const int sh = C4::kHalfWords ? shift : 8 * (kc & 1);
+      uint32_t a[4];
+      a[0] = int4_lop3<0x000F000F>(x.k[0][wi] >> sh);
+      a[2] = int4_lop3<0x00F000F0>(x.k[0][wi] >> sh);
+      a[1] = int4_lop3<0x000F000F>(x.k[1][wi] >> sh);
+      a[3] = int4_lop3<0x00F000F0>(x.k[1][wi] >> sh);
+#pragma unroll
+      for (int h = 0; h < NH; ++h) mma_f16(s[g][h], a, qb[h][kc][0], qb[h][kc][1]);
+    }
+    const int j0 = (c << 4) + gid;  // token of regs 0, 1; regs 2, 3: j0 + 8
+    const bool ok0 = x.ok && j0 >= lo && j0 < hi, ok1 = x.ok && j0 + 8 >= lo && j0 + 8 < hi;
+    float sc[2][KG], sf[2][KG];  // the rows' scales and shifts
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+      for (int g = 0; g < KG; ++g) {
+        const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&x.kh[r][g]));
+        sc[r][g] = f.x;
+        sf[r][g] = f.y;
+      }
+    float sv[NH][4];
+    bool need = false;
+#pragma unroll
+    for (int h = 0; h < NH; ++h)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int r = i >> 1, e = i & 1;
+        float v = 0.f;
+#pragma unroll
+        for (int g = 0; g < KG; ++g)
+          v += sc[r][g] * (s[g][h][i] - c_off[h][e][g]) + sf[r][g] * q_sum[h][e][g];
+        sv[h][i] = (r == 0 ? ok0 : ok1) ? v * rs[h][e] : -INFINITY;
+      }
+    float lmax[NH][2];
+#pragma unroll
+    for (int h = 0; h < NH; ++h)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        lmax[h][e] = fmaxf(sv[h][e], sv[h][2 + e]);
+        need |= lmax[h][e] > m_run[h][e] + kSlack;
+      }
+    if (__any_sync(kFull, need)) {  // warp-uniform; rare once the context's maxima are reached
+      float o_alpha[NH][2];
+#pragma unroll
+      for (int h = 0; h < NH; ++h)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float mx = lmax[h][e];
+          mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 4));
+          mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 8));
+          mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 16));
+          const float m_new = fmaxf(m_run[h][e], mx);
+          const float m_use = m_new == -INFINITY ? 0.f : m_new;
+          const float alpha = fast_exp2(m_run[h][e] - m_use);
+          m_run[h][e] = m_new;
+          m_ref[h][e] = m_use;
+          l_run[h][e] *= alpha;
+          o_alpha[h][e] = alpha;
+        }
+#pragma unroll
+      for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int h = 0; h < NH; ++h) {
+          o[i][h][0] *= o_alpha[h][0];
+          o[i][h][1] *= o_alpha[h][1];
+          o[i][h][2] *= o_alpha[h][0];
+          o[i][h][3] *= o_alpha[h][1];
+        }
+    }
+    uint32_t pb[NH][2];  // P^T's B fragments (k = tokens, n = heads): token half r -> reg r
+#pragma unroll
+    for (int h = 0; h < NH; ++h) {
+      float pv[4];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        pv[e] = fast_exp2(sv[h][e] - m_ref[h][e]);  // -inf -> 0
+        pv[2 + e] = fast_exp2(sv[h][2 + e] - m_ref[h][e]);
+        l_run[h][e] += pv[e] + pv[2 + e];
+      }
+      pb[h][0] = transpose8x8_b16(pack_f16x2(pv[0], pv[1]));
+      pb[h][1] = transpose8x8_b16(pack_f16x2(pv[2], pv[3]));
+    }
+    // V^T's A fragments: m-tile 4 jj + i, row gid: channel 2 i of word (D/64) gid + jj, row
+    // gid + 8: channel 2 i + 1; k: tokens (2t4, 2t4 + 1) (regs 0, 1), (2t4 + 8, 2t4 + 9) (2, 3).
+    // A masked token's V row (past the sequence, or a sink / window token) may hold anything: its
+    // scale and shift become 0, so that its V is 0 and P (0) * V stays 0, never NaN.
+    uint32_t vh[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int tok = (c << 4) + 2 * t4 + (j & 1) + 8 * (j >> 1);
+      vh[j] = x.ok && tok >= lo && tok < hi ? x.vh[j] : 0u;
+    }
+    const uint32_t s_lo = __byte_perm(vh[0], vh[1], 0x5410);  // (scale_a, scale_b)
+    const uint32_t b_lo = __byte_perm(vh[0], vh[1], 0x7632);  // (shift_a, shift_b)
+    const uint32_t s_hi = __byte_perm(vh[2], vh[3], 0x5410);
+    const uint32_t b_hi = __byte_perm(vh[2], vh[3], 0x7632);
+#pragma unroll
+    for (int jj = 0; jj < D / 64; ++jj) {
+      const uint32_t y_lo = __byte_perm(x.v[0][jj], x.v[1][jj], 0x5410);  // bytes 0, 1 of a, b
+      const uint32_t z_lo = __byte_perm(x.v[0][jj], x.v[1][jj], 0x7632);  // bytes 2, 3
+      const uint32_t y_hi = __byte_perm(x.v[2][jj], x.v[3][jj], 0x5410);
+      const uint32_t z_hi = __byte_perm(x.v[2][jj], x.v[3][jj], 0x7632);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const uint32_t w_lo = (i < 2 ? y_lo : z_lo) >> (8 * (i & 1));
+        const uint32_t w_hi = (i < 2 ? y_hi : z_hi) >> (8 * (i & 1));
+        uint32_t a[4];
+        a[0] = dequant_int4_even(w_lo, s_lo, b_lo);
+        a[1] = dequant_int4_odd(w_lo, s_lo, b_lo);
+        a[2] = dequant_int4_even(w_hi, s_hi, b_hi);
+        a[3] = dequant_int4_odd(w_hi, s_hi, b_hi);
+#pragma unroll
+        for (int h = 0; h < NH; ++h) mma_f16(o[4 * jj + i][h], a, pb[h][0], pb[h][1]);
+      }
+    }
+  };
+
   auto compute = [&](const Chunk<D>(&x)[NC], const int (&c)[NC]) {
     // S^T = K Q^T for each chunk's 16 tokens (m: token gid (regs 0, 1) and gid + 8 (regs 2, 3))
     // and the query heads (n: 8h + 2*t4 + {0 (regs 0, 2), 1 (regs 1, 3)}); K's int8 rows gid and
@@ -605,16 +898,23 @@ __global__ void __launch_bounds__(NW * 32, kMinBlocksPerSm<D, kTwoRows, NW>)
       }
       cp_async_wait<S - NC>();
       __syncwarp();
-      Chunk<D> x[NC];
-      int c[NC];
+      if constexpr (kInt4) {
+        C4 x;
+        read_stage4(x, st);
+        __syncwarp();  // all lanes have read the stage before a later issue refills it
+        compute4(x, first + i * kWarps);
+      } else {
+        Chunk<D> x[NC];
+        int c[NC];
 #pragma unroll
-      for (int q = 0; q < NC; ++q) {
-        read_stage(x[q], wrap(st + q));
-        c[q] = first + (i + q) * kWarps;
-        if (q > 0 && i + q >= my_n) x[q].ok = false;  // no such chunk: its stage is stale
+        for (int q = 0; q < NC; ++q) {
+          read_stage(x[q], wrap(st + q));
+          c[q] = first + (i + q) * kWarps;
+          if (q > 0 && i + q >= my_n) x[q].ok = false;  // no such chunk: its stage is stale
+        }
+        __syncwarp();  // all lanes have read the stages before a later issue refills them
+        compute(x, c);
       }
-      __syncwarp();  // all lanes have read the stages before a later issue refills them
-      compute(x, c);
       st = wrap(st + NC);
     }
     cp_async_wait<0>();
@@ -685,6 +985,10 @@ __global__ void __launch_bounds__(NW * 32, kMinBlocksPerSm<D, kTwoRows, NW>)
     const float lse = empty ? -INFINITY : m + __log2f(l);
     const int64_t bh = static_cast<int64_t>(b) * p.num_q_heads + h0 + row;
     if (num_splits == 1) {
+      if constexpr (kInt4) {
+        if (p.extra_lse != nullptr)
+          fold_extra(val, lse, p.extra_out + bh * D + d0, p.extra_lse[bh]);
+      }
       store_out4(static_cast<T*>(p.out) + bh * D + d0, val);
     } else if constexpr (kCluster) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -749,6 +1053,12 @@ __global__ void __launch_bounds__(NW * 32, kMinBlocksPerSm<D, kTwoRows, NW>)
       const float inv = merge_inv(wsum);
 #pragma unroll
       for (int e = 0; e < kUnit; ++e) acc[e] = merge_finish(acc[e], inv);
+      if constexpr (kInt4) {
+        if (p.extra_lse != nullptr) {
+          const int64_t bh = static_cast<int64_t>(b) * p.num_q_heads + h0 + row;
+          fold_extra(acc, merged_lse(mx, wsum), p.extra_out + bh * D + d0, p.extra_lse[bh]);
+        }
+      }
       store_out4(
           static_cast<T*>(p.out) + (static_cast<int64_t>(b) * p.num_q_heads + h0 + row) * D + d0,
           acc);
@@ -840,6 +1150,12 @@ __global__ void __launch_bounds__(NW * 32, kMinBlocksPerSm<D, kTwoRows, NW>)
     const float inv = merge_inv(wsum);
 #pragma unroll
     for (int e = 0; e < kVec; ++e) acc[e] = merge_finish(acc[e], inv);
+    if constexpr (kInt4) {
+      if (p.extra_lse != nullptr) {
+        fold_extra(acc, merged_lse(mx, wsum), p.extra_out + (bh0 + row) * D + d0,
+                   p.extra_lse[bh0 + row]);
+      }
+    }
     store_out4(static_cast<T*>(p.out) + (bh0 + row) * D + d0, acc);
   }
 }
@@ -849,7 +1165,8 @@ __global__ void __launch_bounds__(NW * 32, kMinBlocksPerSm<D, kTwoRows, NW>)
 template <typename T, int D>
 __global__ void __launch_bounds__(128)
     paged_decode_int8_reduce_kernel(const float* partial_out, const float* partial_lse, T* out,
-                                    int rows, int num_splits) {
+                                    int rows, int num_splits, const float* extra_out,
+                                    const float* extra_lse) {
   constexpr int E = D / 32;
   const int lane = threadIdx.x & 31;
   const int row = blockIdx.x * 4 + (threadIdx.x >> 5);
@@ -882,7 +1199,13 @@ __global__ void __launch_bounds__(128)
   T* op = out + static_cast<int64_t>(row) * D + lane * E;
   const float inv = merge_inv(wsum);
 #pragma unroll
-  for (int e = 0; e < E; ++e) op[e] = from_float<T>(merge_finish(acc[e], inv));
+  for (int e = 0; e < E; ++e) acc[e] = merge_finish(acc[e], inv);
+  if (extra_lse != nullptr) {  // the SKVQ side tokens: one more split
+    fold_extra(acc, merged_lse(m, wsum), extra_out + static_cast<int64_t>(row) * D + lane * E,
+               extra_lse[row]);
+  }
+#pragma unroll
+  for (int e = 0; e < E; ++e) op[e] = from_float<T>(acc[e]);
 }
 
 // The launch configuration of the cluster-merge kernel: clusters of num_splits CTAs along x.
@@ -894,16 +1217,16 @@ __global__ void __launch_bounds__(128)
 // batches) launch without it: dispatched early, as slots free up, their CTAs were placed unevenly
 // and the call ran 4-11% slower (H100, scratch A/B at B = 8-128), where split grids gained
 // 0.1-0.9 us. `attrs` must hold 2 entries.
-template <typename T, int D, bool kTwoRows, bool kStatic, int NW, bool kCluster>
+template <typename T, int D, bool kTwoRows, int kFmt, int NW, bool kCluster>
 cudaError_t split_config(const PagedDecodeInt8Params& p, const DeviceProps& props, dim3 grid,
                          cudaStream_t stream, cudaLaunchConfig_t* cfg, cudaLaunchAttribute* attrs) {
   // 8-warp CTAs (grids of at most one CTA per SM) reserve over half an SM's shared memory, so
   // that one runs per SM: with ~100 KB at D = 64 two fit, and a cluster launch (or the next call's
   // CTAs, dispatched early under PDL) then stacked two on some SMs while others idled (Nsight
   // Compute: 0 to 2 CTAs per SM). H100, same-run A/B, SmolLM2 B = 4, T = 16384: 14.9 -> 12.2 us.
-  int smem = kSmemBytes<D, kTwoRows, NW, kCluster>;
+  int smem = kSmemBytes<D, kTwoRows, kFmt, NW, kCluster>;
   if (NW == 8) smem = std::max(smem, std::min(props.smem_per_block, props.smem_per_sm / 2 + 1));
-  auto kernel = paged_decode_int8_kernel<T, D, kTwoRows, kStatic, NW, kCluster>;
+  auto kernel = paged_decode_int8_kernel<T, D, kTwoRows, kFmt, NW, kCluster>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
   *cfg = cudaLaunchConfig_t{};
@@ -930,23 +1253,23 @@ cudaError_t split_config(const PagedDecodeInt8Params& p, const DeviceProps& prop
 
 // Launches the split kernel; with max_clusters set, only reports how many clusters of the
 // cluster-merge configuration can be resident at once (0: it cannot launch) and launches nothing.
-template <typename T, int D, bool kTwoRows, bool kStatic, int NW>
+template <typename T, int D, bool kTwoRows, int kFmt, int NW>
 cudaError_t launch_split(const PagedDecodeInt8Params& p, const DeviceProps& props, dim3 grid,
                          cudaStream_t stream, int* max_clusters) {
   cudaLaunchConfig_t cfg;
   cudaLaunchAttribute attrs[2];
   if ((p.cluster_merge && p.num_splits > 1) || max_clusters != nullptr) {
     cudaError_t err =
-        split_config<T, D, kTwoRows, kStatic, NW, true>(p, props, grid, stream, &cfg, attrs);
+        split_config<T, D, kTwoRows, kFmt, NW, true>(p, props, grid, stream, &cfg, attrs);
     if (err != cudaSuccess) return err;
-    auto kernel = paged_decode_int8_kernel<T, D, kTwoRows, kStatic, NW, true>;
+    auto kernel = paged_decode_int8_kernel<T, D, kTwoRows, kFmt, NW, true>;
     if (max_clusters != nullptr) return cudaOccupancyMaxActiveClusters(max_clusters, kernel, &cfg);
     return cudaLaunchKernelEx(&cfg, kernel, p);
   }
   cudaError_t err =
-      split_config<T, D, kTwoRows, kStatic, NW, false>(p, props, grid, stream, &cfg, attrs);
+      split_config<T, D, kTwoRows, kFmt, NW, false>(p, props, grid, stream, &cfg, attrs);
   if (err != cudaSuccess) return err;
-  return cudaLaunchKernelEx(&cfg, paged_decode_int8_kernel<T, D, kTwoRows, kStatic, NW, false>, p);
+  return cudaLaunchKernelEx(&cfg, paged_decode_int8_kernel<T, D, kTwoRows, kFmt, NW, false>, p);
 }
 
 // Warps per CTA: p.warps when set (4 or 8; an override for tests and sweeps), else 8 when the grid
@@ -958,7 +1281,7 @@ int decode_warps(int forced, int64_t ctas, int sms) {
   return ctas <= sms ? 8 : 4;
 }
 
-template <typename T, int D, bool kTwoRows, bool kStatic>
+template <typename T, int D, bool kTwoRows, int kFmt>
 cudaError_t launch(const PagedDecodeInt8Params& p, cudaStream_t stream, int* max_clusters) {
   const int G = p.num_q_heads / p.num_kv_heads;
   const int HG = kTwoRows ? (G + 15) / 16 : 1;
@@ -968,27 +1291,36 @@ cudaError_t launch(const PagedDecodeInt8Params& p, cudaStream_t stream, int* max
   if (err != cudaSuccess) return err;
   const int64_t ctas = static_cast<int64_t>(grid.x) * grid.y * grid.z;
   err = decode_warps(p.warps, ctas, props.sms) == 8
-            ? launch_split<T, D, kTwoRows, kStatic, 8>(p, props, grid, stream, max_clusters)
-            : launch_split<T, D, kTwoRows, kStatic, 4>(p, props, grid, stream, max_clusters);
+            ? launch_split<T, D, kTwoRows, kFmt, 8>(p, props, grid, stream, max_clusters)
+            : launch_split<T, D, kTwoRows, kFmt, 4>(p, props, grid, stream, max_clusters);
   if (max_clusters != nullptr) return err;
   // one split: the kernel wrote `out`; fused or cluster merge: the split kernel merged the splits
   if (err != cudaSuccess || p.num_splits == 1 || p.split_counters != nullptr || p.cluster_merge)
     return err;
   const int rows = p.batch * p.num_q_heads;
-  paged_decode_int8_reduce_kernel<T, D><<<(rows + 3) / 4, 128, 0, stream>>>(
-      p.partial_out, p.partial_lse, static_cast<T*>(p.out), rows, p.num_splits);
+  paged_decode_int8_reduce_kernel<T, D>
+      <<<(rows + 3) / 4, 128, 0, stream>>>(p.partial_out, p.partial_lse, static_cast<T*>(p.out),
+                                           rows, p.num_splits, p.extra_out, p.extra_lse);
   return cudaGetLastError();
 }
 
 template <typename T, int D>
 cudaError_t dispatch_rows(const PagedDecodeInt8Params& p, cudaStream_t stream, int* max_clusters) {
   const bool two = p.num_q_heads / p.num_kv_heads > 8;
-  if (two) {
-    return p.static_scales ? launch<T, D, true, true>(p, stream, max_clusters)
-                           : launch<T, D, true, false>(p, stream, max_clusters);
+  if (p.kv_format == KvFormat::kInt4) {
+    if (two) {
+      return p.num_groups == 4 ? launch<T, D, true, kFmtInt4G4>(p, stream, max_clusters)
+                               : launch<T, D, true, kFmtInt4G1>(p, stream, max_clusters);
+    }
+    return p.num_groups == 4 ? launch<T, D, false, kFmtInt4G4>(p, stream, max_clusters)
+                             : launch<T, D, false, kFmtInt4G1>(p, stream, max_clusters);
   }
-  return p.static_scales ? launch<T, D, false, true>(p, stream, max_clusters)
-                         : launch<T, D, false, false>(p, stream, max_clusters);
+  if (two) {
+    return p.static_scales ? launch<T, D, true, kFmtInt8Static>(p, stream, max_clusters)
+                           : launch<T, D, true, kFmtInt8>(p, stream, max_clusters);
+  }
+  return p.static_scales ? launch<T, D, false, kFmtInt8Static>(p, stream, max_clusters)
+                         : launch<T, D, false, kFmtInt8>(p, stream, max_clusters);
 }
 
 template <typename T>
@@ -1004,6 +1336,11 @@ int64_t head_groups(int G) {
 }
 
 bool valid_params(const PagedDecodeInt8Params& p) {
+  if (p.kv_format == KvFormat::kInt4 &&
+      ((p.num_groups != 1 && p.num_groups != 4) || p.sinks < 0 || p.window < 0 ||
+       p.alibi_slopes != nullptr || p.overlap_prologue)) {
+    return false;
+  }
   return !((p.head_dim != 64 && p.head_dim != 128) || p.num_kv_heads <= 0 ||
            p.num_q_heads % p.num_kv_heads != 0 || p.block_size < 16 || (p.block_size & 15) != 0 ||
            ((p.block_size >> 4) & ((p.block_size >> 4) - 1)) != 0 || p.num_splits < 1 ||
@@ -1057,6 +1394,31 @@ int paged_decode_int8_num_splits(int batch, int num_q_heads, int num_kv_heads, i
   return s < 1 ? 1 : static_cast<int>(s);
 }
 
+int paged_decode_int4_num_splits(int batch, int num_q_heads, int num_kv_heads, int head_dim,
+                                 int num_groups, int max_context, int num_sms, bool cluster_merge) {
+  if (batch <= 0 || num_kv_heads <= 0 || num_q_heads <= 0) return 1;
+  const int row_bytes = 4 * num_groups + head_dim / 2;
+  // the int8 rule at the int8 context of the same bytes (D + 4 per token and kv head)
+  const int64_t int8_context =
+      std::max<int64_t>(1, static_cast<int64_t>(max_context) * row_bytes / (head_dim + 4));
+  int s = paged_decode_int8_num_splits(batch, num_q_heads, num_kv_heads, head_dim,
+                                       static_cast<int>(int8_context), num_sms, cluster_merge);
+  const int G = num_q_heads / num_kv_heads;
+  const int64_t ctas = static_cast<int64_t>(batch) * num_kv_heads * head_groups(G);
+  const int64_t sms = num_sms > 0 ? num_sms : 132;
+  // resident 4-warp CTAs per SM (kMinBlocksPerSm)
+  const int per_sm = head_dim == 128 && num_groups == 1 && G <= 8 ? 4 : 3;
+  const int64_t slots = sms * per_sm;
+  if (ctas < slots) {
+    const int64_t fill = slots / ctas;
+    const int64_t by_len = std::max<int64_t>(1, max_context / kMinInt4TokensPerSplit);
+    // (at most a cluster's worth: the int8 rule already picks the small-batch split counts)
+    const int64_t want = std::min<int64_t>({fill, by_len, kPagedDecodeMaxClusterSplits});
+    if (want > s) s = static_cast<int>(want);
+  }
+  return s < 1 ? 1 : s;
+}
+
 int64_t paged_decode_int8_workspace_floats(int batch, int num_q_heads, int head_dim,
                                            int num_splits) {
   if (num_splits <= 1) return 0;
@@ -1086,7 +1448,8 @@ bool paged_decode_int8_cluster_merge_fits(const PagedDecodeInt8Params& q) {
   // launch picks depends on the dtype, D, the head grouping, static scales, and whether the grid
   // has at most one CTA per SM (8 warps) or not (4 warps).
   const int G = p.num_q_heads / p.num_kv_heads;
-  const int key = ((((p.bf16 * 2 + (p.head_dim == 128)) * 2 + (G > 8)) * 2 + p.static_scales) * 2 +
+  const int fmt = p.kv_format == KvFormat::kInt4 ? (p.num_groups == 4 ? 3 : 2) : p.static_scales;
+  const int key = ((((p.bf16 * 2 + (p.head_dim == 128)) * 2 + (G > 8)) * 4 + fmt) * 2 +
                    (decode_warps(p.warps, ctas, props.sms) == 8)) *
                       32 +
                   p.num_splits;

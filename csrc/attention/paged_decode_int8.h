@@ -34,6 +34,12 @@
 namespace qops {
 namespace attention {
 
+// The cache formats the decode kernel reads (docs/kv_cache.md, docs/int4.md).
+enum class KvFormat : int {
+  kInt8 = 0,  // int8 [num_blocks, HKV, block_size, D] with f32 scales (dynamic or static)
+  kInt4 = 1,  // seed-002 int4 rows [num_blocks, HKV, block_size, 4 * num_groups + D / 2]
+};
+
 struct PagedDecodeInt8Params {
   const void* query;
   int64_t q_stride_b, q_stride_h;  // in elements
@@ -63,7 +69,41 @@ struct PagedDecodeInt8Params {
   int num_splits;
   float sm_scale;
   bool bf16;
+  // ---- the int4 cache (kv_format == kInt4; k_cache / v_cache then point at its bytes) ----
+  KvFormat kv_format;
+  int num_groups;  // 1 or 4
+  // SKVQ: positions [min(sinks, L), max(min(sinks, L), L - window)) are read from the int4 cache;
+  // the others (the sinks and the window, full precision) by skvq_side_decode into extra_out /
+  // extra_lse ([B, HQ, D] O / l and [B, HQ] log2-sum-exp, the kernel's units), which the split
+  // kernel folds into its output as one more split. extra_lse == nullptr: no side tokens.
+  int sinks, window;
+  const float* extra_out;
+  const float* extra_lse;
 };
+
+// The full-precision side of an SKVQ cache: the sinks and the window of each sequence.
+//   k_side, v_side: the query's dtype [num_side_slots, HKV, sinks + window, D], contiguous
+//   side_slots: int32 [B]; out: f32 [B, HQ, D] (O / l; zeros where no side token), lse: f32 [B, HQ]
+//   (log2 domain: max(s * sm_scale * log2 e) + log2(sum), -inf where no side token).
+struct SkvqSideParams {
+  const void* query;
+  int64_t q_stride_b, q_stride_h;
+  const void* k_side;
+  const void* v_side;
+  const int32_t* side_slots;
+  const int32_t* seq_lens;
+  float* out;
+  float* lse;
+  int batch, num_q_heads, num_kv_heads, head_dim, sinks, window;
+  float sm_scale;
+  bool bf16;
+  bool no_pdl;
+};
+
+// Dynamic shared memory skvq_side_decode needs (it must fit the device's per-block limit).
+int64_t skvq_side_smem_bytes(int head_dim, int side_tokens, int group);
+
+cudaError_t skvq_side_decode(const SkvqSideParams& p, cudaStream_t stream);
 
 constexpr int kPagedDecodeMaxSplits = 128;
 // The most splits the cluster merge takes: one cluster per (sequence, kv head, head group), of at
@@ -83,6 +123,17 @@ constexpr int kPagedDecodePortableClusterSplits = 8;
 // than 16 * kClusterFitTokens more through the workspace.
 int paged_decode_int8_num_splits(int batch, int num_q_heads, int num_kv_heads, int head_dim,
                                  int max_context, int num_sms, bool cluster_merge);
+
+// The split count for the int4 cache: the int8 rule at the int8 context of the same bytes, raised
+// where the grid would have fewer CTAs than a wave of resident 4-warp CTAs (kInt4CtasPerSm per SM)
+// to the splits that fill one, with at least kMinInt4TokensPerSplit tokens each. An int4 chunk
+// costs about as many instructions as an int8 one for a quarter of the bytes, so a split streams
+// fewer bytes per SM than the int8 kernel's 8-warp CTAs and the int4 decode wants more warps per
+// SM (H100, bench/bench_int4_decode.py: SmolLM2 B = 32, T = 16384: one split of 8 warps reached
+// 0.46 of copy bandwidth).
+int paged_decode_int4_num_splits(int batch, int num_q_heads, int num_kv_heads, int head_dim,
+                                 int num_groups, int max_context, int num_sms, bool cluster_merge);
+constexpr int kMinInt4TokensPerSplit = 256;
 
 // Floats of workspace needed for `num_splits` (0 when num_splits == 1).
 int64_t paged_decode_int8_workspace_floats(int batch, int num_q_heads, int head_dim,

@@ -41,6 +41,25 @@ __device__ __forceinline__ float merge_finish(float acc, float inv) {
   return acc * inv;
 }
 
+// Folds one more partial -- (O / l, lse) of the SKVQ side tokens (skvq_side_decode), N
+// consecutive elements at eo -- into N merged outputs `acc` whose splits had log2-sum-exp `lse`
+// (-inf: none; acc is then 0). Both empty: acc stays 0.
+template <int N>
+__device__ __forceinline__ void fold_extra(float (&acc)[N], float lse, const float* eo,
+                                           float else_) {
+  const float m = fmaxf(lse, else_);
+  if (m == -INFINITY) return;
+  const float w0 = lse == -INFINITY ? 0.f : merge_weight(lse, m);
+  const float w1 = else_ == -INFINITY ? 0.f : merge_weight(else_, m);
+  const float inv = merge_inv(w0 + w1);
+#pragma unroll
+  for (int i = 0; i < N; ++i) acc[i] = (w0 * acc[i] + w1 * eo[i]) * inv;
+}
+// The log2-sum-exp of merged splits: max lse + log2(sum of weights), -inf when none.
+__device__ __forceinline__ float merged_lse(float m, float wsum) {
+  return wsum > 0.f ? m + __log2f(wsum) : -INFINITY;
+}
+
 // Four consecutive outputs as one 8-byte store (p + 4 i: 8-byte aligned).
 template <typename T>
 __device__ __forceinline__ void store_out4(T* p, const float (&v)[4]) {

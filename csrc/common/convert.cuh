@@ -23,6 +23,14 @@ __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) {
   return __bfloat162float(v);
 }
 
+// Two packed 16-bit values -> float2, exactly.
+__device__ __forceinline__ float2 to_float2(__half2 v) {
+  return __half22float2(v);
+}
+__device__ __forceinline__ float2 to_float2(__nv_bfloat162 v) {
+  return __bfloat1622float2(v);
+}
+
 template <typename T>
 __device__ __forceinline__ T from_float(float v);
 template <>

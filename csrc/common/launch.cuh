@@ -36,17 +36,25 @@ inline void append_pdl_attribute(cudaLaunchConfig_t* cfg, cudaLaunchAttribute* a
   a.val.programmaticStreamSerializationAllowed = 1;
 }
 
-// kernel<<<grid, block, 0, stream>>>(args...), with programmatic dependent launch when `pdl`.
+// kernel<<<grid, block, smem, stream>>>(args...), with programmatic dependent launch when `pdl`.
 template <typename... KernelArgs, typename... Args>
-cudaError_t launch_kernel(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, cudaStream_t stream,
-                          bool pdl, Args&&... args) {
+cudaError_t launch_kernel_smem(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem,
+                               cudaStream_t stream, bool pdl, Args&&... args) {
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = grid;
   cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
   if (pdl) append_pdl_attribute(&cfg, attr);
   return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+}
+
+// kernel<<<grid, block, 0, stream>>>(args...), with programmatic dependent launch when `pdl`.
+template <typename... KernelArgs, typename... Args>
+cudaError_t launch_kernel(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, cudaStream_t stream,
+                          bool pdl, Args&&... args) {
+  return launch_kernel_smem(kernel, grid, block, 0, stream, pdl, std::forward<Args>(args)...);
 }
 
 }  // namespace qops

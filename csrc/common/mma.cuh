@@ -63,6 +63,36 @@ __device__ __forceinline__ uint32_t i8pair_to_f16x2(uint32_t ua, uint32_t ub) {
   return h;
 }
 
+// ---- int4 (unsigned nibbles) -> fp16 ---------------------------------------------------------
+// (x & kMask) | 0x64006400 in one LOP3: with kMask = 0x000F000F, the nibbles at bits 0 and 16 of x
+// become half2 (1024 + q0, 1024 + q1); with 0x00F000F0, those at bits 4 and 20 become
+// (1024 + 16 q0, 1024 + 16 q1). Both exact.
+template <uint32_t kMask>
+__device__ __forceinline__ uint32_t int4_lop3(uint32_t x) {
+  uint32_t h;
+  asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(h) : "r"(x), "n"(kMask), "r"(0x64006400u));
+  return h;
+}
+
+// The low nibbles (bits 0 and 16) of w dequantized: half2 (q0 * s.x + b.x, q1 * s.y + b.y), with
+// the product and sum rounded once to fp16 (fma.rn.f16x2); s, b: half2 scales and shifts.
+__device__ __forceinline__ uint32_t dequant_int4_even(uint32_t w, uint32_t s, uint32_t b) {
+  uint32_t q = int4_lop3<0x000F000Fu>(w);
+  asm("sub.f16x2 %0, %0, %1;" : "+r"(q) : "r"(0x64006400u));  // 1024 + q - 1024: exact
+  uint32_t d;
+  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(q), "r"(s), "r"(b));
+  return d;
+}
+// The same for the nibbles at bits 4 and 20.
+__device__ __forceinline__ uint32_t dequant_int4_odd(uint32_t w, uint32_t s, uint32_t b) {
+  uint32_t q = int4_lop3<0x00F000F0u>(w);
+  // (1024 + 16 q) / 16 - 64 = q, exactly
+  asm("fma.rn.f16x2 %0, %0, %1, %2;" : "+r"(q) : "r"(0x2C002C00u), "r"(0xD400D400u));
+  uint32_t d;
+  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(q), "r"(s), "r"(b));
+  return d;
+}
+
 // The transpose of an 8x8 matrix of 16-bit values held as an mma fragment (thread lane holds row
 // lane / 4, columns 2 * (lane % 4) + {0, 1}): returns the same fragment of the transpose.
 __device__ __forceinline__ uint32_t transpose8x8_b16(uint32_t x) {

@@ -33,6 +33,8 @@ def poison_(t: torch.Tensor) -> torch.Tensor:
         return t.fill_(float("nan"))
     if t.dtype == torch.int8:
         return t.fill_(-77)
+    if t.dtype == torch.uint8:
+        return t.fill_(0xFF)  # int4 KV rows: NaN scale and shift
     return t.fill_(-7777)
 
 
