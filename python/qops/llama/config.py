@@ -4,10 +4,12 @@ what is quantized and how (``QuantConfig``)."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 
 ACT_SCHEMES = ("dynamic", "static")
-KV_DTYPES = ("int8", "fp16")
+KV_DTYPES = ("int8", "int4", "fp16")
+KV_GROUPS = (1, 4)
 _SQ_DEFAULT = ("qkv", "gate_up", "down")
 
 
@@ -70,10 +72,18 @@ class QuantConfig:
             and fp16 variants of the same harness).
         activations: ``"dynamic"`` per-token scales computed on the fly (default), or
             ``"static"`` per-tensor scales calibrated once (needs calibration tokens).
-        kv_cache: ``"int8"`` (paged int8 cache + the int8 decode kernel) or ``"fp16"`` (a paged
-            cache in the model's dtype, attention in PyTorch).
+        kv_cache: ``"int8"`` (paged int8 cache + the int8 decode kernel), ``"int4"`` (paged int4
+            rows with fp16 scale/shift per group + ``qops.int4_gqa_decode``; optionally SKVQ's
+            full-precision sinks and window, docs/int4.md) or ``"fp16"`` (a paged cache in the
+            model's dtype, attention in PyTorch).
         kv_scales: ``"dynamic"`` per-(token, head) scales written with the cache (default), or
-            ``"static"`` per-layer per-tensor scales calibrated once.
+            ``"static"`` per-layer per-tensor scales calibrated once (int8 cache only).
+        kv_groups: int4 cache: scale/shift groups per (token, head) row, 1 or 4.
+        kv_window: int4 cache: the newest ``kv_window`` tokens of each sequence stay in full
+            precision (SKVQ's sliding window; 0: none).
+        kv_sinks: int4 cache: the first ``kv_sinks`` tokens of each sequence stay in full
+            precision (attention sinks; 0: none).
+        kv_clip: int4 cache: SKVQ's clipping ratio in (0, 1] (1: plain min/max quantization).
         smoothquant: migrate activation outliers into the weights (SmoothQuant) before
             quantizing; needs calibration tokens.
         smooth_alpha: migration strength ``alpha`` in ``s = amax(x)^a / amax(W)^(1-a)``.
@@ -92,6 +102,10 @@ class QuantConfig:
     smooth_alpha: float = 0.5
     smooth_targets: tuple[str, ...] = _SQ_DEFAULT
     block_size: int = 16
+    kv_groups: int = 1
+    kv_window: int = 0
+    kv_sinks: int = 0
+    kv_clip: float = 1.0
 
     def __post_init__(self) -> None:
         if self.activations not in ACT_SCHEMES:
@@ -100,6 +114,25 @@ class QuantConfig:
             raise ValueError(f"QuantConfig.kv_scales must be one of {ACT_SCHEMES}, got {self.kv_scales!r}")
         if self.kv_cache not in KV_DTYPES:
             raise ValueError(f"QuantConfig.kv_cache must be one of {KV_DTYPES}, got {self.kv_cache!r}")
+        if self.kv_groups not in KV_GROUPS:
+            raise ValueError(f"QuantConfig.kv_groups must be one of {KV_GROUPS}, got {self.kv_groups!r}")
+        if (
+            not (isinstance(self.kv_window, int) and isinstance(self.kv_sinks, int))
+            or min(self.kv_window, self.kv_sinks) < 0
+        ):
+            raise ValueError(
+                f"QuantConfig.kv_window and kv_sinks must be ints >= 0, got {self.kv_window!r} and {self.kv_sinks!r}"
+            )
+        if not 0.0 < self.kv_clip <= 1.0:
+            raise ValueError(f"QuantConfig.kv_clip must be in (0, 1], got {self.kv_clip}")
+        int4_opts = (self.kv_groups, self.kv_window, self.kv_sinks, self.kv_clip) != (1, 0, 0, 1.0)
+        if int4_opts and self.kv_cache != "int4":
+            raise ValueError(
+                f"QuantConfig: kv_groups, kv_window, kv_sinks and kv_clip apply to kv_cache='int4', "
+                f"got kv_cache={self.kv_cache!r}"
+            )
+        if self.kv_scales == "static" and self.kv_cache != "int8":
+            raise ValueError(f"QuantConfig: static kv_scales need kv_cache='int8', got kv_cache={self.kv_cache!r}")
         bad = set(self.smooth_targets) - {"qkv", "gate_up", "down", "o"}
         if bad:
             raise ValueError(f"QuantConfig.smooth_targets: unknown targets {sorted(bad)}")
@@ -126,14 +159,36 @@ class QuantConfig:
         d["smooth_targets"] = tuple(d.get("smooth_targets", _SQ_DEFAULT))
         return cls(**d)
 
+    @property
+    def skvq(self) -> bool:
+        """An int4 cache with full-precision sinks or a window beside it (SKVQ)."""
+        return self.kv_cache == "int4" and self.kv_window + self.kv_sinks > 0
+
+    def kv_label(self) -> str:
+        """The KV part of ``label()``: ``KV8[-static]``, ``KV4[-g4][-w<window>][s<sinks>][-c<clip>]``
+        or ``""`` (a float cache)."""
+        if self.kv_cache == "int8":
+            return "KV8" + ("-static" if self.kv_scales == "static" else "")
+        if self.kv_cache != "int4":
+            return ""
+        name = "KV4" + ("-g4" if self.kv_groups == 4 else "")
+        if self.kv_window or self.kv_sinks:
+            w = f"w{self.kv_window}" if self.kv_window else ""
+            name += f"-{w}" + (f"s{self.kv_sinks}" if self.kv_sinks else "")
+        if self.kv_clip != 1.0:
+            name += f"-c{self.kv_clip:g}"
+        return name
+
     def label(self) -> str:
-        """A short name: ``fp16``, ``KV8``, ``W8A8``, ``W8A8+KV8``, with ``-static`` for static
-        scales and ``+SQ<alpha>`` for SmoothQuant (``QuantConfig.from_label`` reads it back)."""
+        """A short name: ``fp16``, ``KV8``, ``KV4``, ``W8A8``, ``W8A8+KV8``, with ``-static`` for
+        static scales, the int4 cache's options (``KV4-g4-w128s4``: 4 groups per row, a window of
+        128 and 4 sinks in full precision) and ``+SQ<alpha>`` for SmoothQuant
+        (``QuantConfig.from_label`` reads it back)."""
         parts = []
         if self.weights:
             parts.append("W8A8" + ("-static" if self.activations == "static" else ""))
-        if self.kv_cache == "int8":
-            parts.append("KV8" + ("-static" if self.kv_scales == "static" else ""))
+        if self.kv_cache != "fp16":
+            parts.append(self.kv_label())
         name = "+".join(parts) or "fp16"
         if self.smoothquant and self.weights:
             t = set(self.smooth_targets)
@@ -150,8 +205,11 @@ class QuantConfig:
     @classmethod
     def from_label(cls, name: str, **overrides) -> QuantConfig:
         """Parse a variant name: ``"fp16"``, or ``+``-joined parts ``W8A8[-static]``,
-        ``KV8[-static]`` and ``SQ<alpha>`` (SmoothQuant with that alpha on qkv, gate_up and down),
-        ``SQ<alpha>n`` (only the norm-folded qkv and gate_up) or ``SQ<alpha>all`` (also o)."""
+        ``KV8[-static]``, ``KV4`` with ``-``-joined options (``g1``/``g4``: groups per row;
+        ``w<N>``, ``s<N>`` or ``w<N>s<M>``: SKVQ's full-precision window and sinks; ``c<ratio>``:
+        clipping), e.g. ``KV4-g4-w128s4``, and ``SQ<alpha>`` (SmoothQuant with that alpha on qkv,
+        gate_up and down), ``SQ<alpha>n`` (only the norm-folded qkv and gate_up) or
+        ``SQ<alpha>all`` (also o)."""
         cfg: dict = dict(weights=False, kv_cache="fp16")
         if name not in ("fp16", "bf16"):
             for part in name.split("+"):
@@ -159,6 +217,8 @@ class QuantConfig:
                     cfg.update(weights=True, activations="static" if part.endswith("static") else "dynamic")
                 elif part in ("KV8", "KV8-static"):
                     cfg.update(kv_cache="int8", kv_scales="static" if part.endswith("static") else "dynamic")
+                elif part == "KV4" or part.startswith("KV4-"):
+                    cfg.update(kv_cache="int4", **_kv4_options(part, name))
                 elif part.startswith("SQ"):
                     targets: tuple[str, ...]
                     spec, targets = part[2:], _SQ_DEFAULT
@@ -173,16 +233,42 @@ class QuantConfig:
                 else:
                     raise ValueError(
                         f"unknown variant part {part!r} in {name!r} (expected fp16, W8A8[-static], "
-                        "KV8[-static], SQ<alpha>[n|all])"
+                        "KV8[-static], KV4[-g4][-w<N>s<M>][-c<ratio>], SQ<alpha>[n|all])"
                     )
         cfg.update(overrides)
         return cls(**cfg)
+
+
+def _kv4_options(part: str, name: str) -> dict:
+    """The options of a ``KV4[-opt]...`` part: ``g1``/``g4``, ``w<N>``, ``s<N>``, ``w<N>s<M>``,
+    ``c<ratio>``."""
+    opts: dict = {}
+    for opt in part.split("-")[1:]:
+        m = re.fullmatch(r"g([0-9]+)|(?:w([0-9]+))?(?:s([0-9]+))?|c([0-9.]+)", opt)
+        if not opt or m is None:
+            raise ValueError(
+                f"unknown KV4 option {opt!r} in {name!r} (expected g1 or g4, w<window>, s<sinks>, "
+                "w<window>s<sinks>, c<clip ratio>)"
+            )
+        g, w, s, c = m.groups()
+        if g is not None:
+            opts["kv_groups"] = int(g)
+        if w is not None:
+            opts["kv_window"] = int(w)
+        if s is not None:
+            opts["kv_sinks"] = int(s)
+        if c is not None:
+            opts["kv_clip"] = float(c)
+    return opts
 
 
 # The variants the demo and the evaluation compare (labels as in the report).
 VARIANTS = {
     "fp16": QuantConfig(weights=False, kv_cache="fp16"),
     "KV8": QuantConfig(weights=False, kv_cache="int8"),
+    "KV4": QuantConfig(weights=False, kv_cache="int4"),
+    "KV4-w128s4": QuantConfig(weights=False, kv_cache="int4", kv_window=128, kv_sinks=4),
     "W8A8": QuantConfig(weights=True, kv_cache="fp16"),
     "W8A8+KV8": QuantConfig(weights=True, kv_cache="int8"),
+    "W8A8+KV4-w128s4": QuantConfig(weights=True, kv_cache="int4", kv_window=128, kv_sinks=4),
 }

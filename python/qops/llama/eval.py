@@ -10,7 +10,10 @@ Definitions (per window of ``S`` tokens, positions ``t = 0 .. S-2`` predicting `
 ``ppl = exp(mean NLL)``; ``KL = mean_t sum_v p_ref(v) (log p_ref(v) - log p_q(v))`` with ``p`` the
 next-token softmax; ``top1 = mean_t [argmax p_q == argmax p_ref]``. The reference is the Hugging
 Face model (fp16 on a GPU, fp32 on a CPU). Quantized variants attend to what their cache holds:
-the int8 K/V (dequantized) with KV8, exactly what the decode kernel reads.
+the int8 K/V (dequantized) with KV8, the int4 rows (dequantized) with KV4, exactly what the decode
+kernel reads; with SKVQ's window (``KV4-w128s4``: the newest 128 tokens and the first 4 in full
+precision) each position sees its own window in full precision, as its decode step would. KV
+bytes per token count SKVQ's per-sequence side buffers spread over one window of ``--seq-len``.
 """
 
 from __future__ import annotations
@@ -32,6 +35,19 @@ from .config import QuantConfig
 def parse_variant(name: str) -> QuantConfig:
     """A variant name (``fp16``, ``W8A8+KV8+SQ0.5``, ...) -> ``QuantConfig`` (``QuantConfig.from_label``)."""
     return QuantConfig.from_label(name)
+
+
+INT4_KV_OPS = ("reshape_and_cache_int4", "skvq_cache_write", "int4_gqa_decode")
+
+
+def missing_kernels(qcfg: QuantConfig, device) -> list[str]:
+    """The int4 KV-cache ops a variant needs that this build has no CUDA kernel for (none on a
+    CPU, where every op runs its reference): such variants are left out of a GPU run."""
+    import qops
+
+    if torch.device(device).type != "cuda" or qcfg.kv_cache != "int4":
+        return []
+    return [n for n in INT4_KV_OPS if not qops.has_cuda_kernel(n)]
 
 
 # ---- metrics ------------------------------------------------------------------------------------
@@ -187,6 +203,8 @@ def run_quality(
     wins = windows(tokens, seq_len, max_tokens)
     log(f"evaluating {wins.shape[0]} windows x {seq_len} tokens on {device}")
     cfgs = {n: parse_variant(n) for n in variant_names}
+    for n in [n for n, c in cfgs.items() if missing_kernels(c, device)]:
+        log(f"skipping {n}: this build has no CUDA kernel for {', '.join(missing_kernels(cfgs.pop(n), device))}")
     stats = None
     if any(c.needs_calibration for c in cfgs.values()):
         if calib_tokens is None:
@@ -217,7 +235,7 @@ def run_quality(
         row["dppl"] = r["ppl"] / ref_ppl - 1.0
         if name != "reference":
             m = models[name]
-            row["kv_bytes"] = m.kv_bytes_per_token()
+            row["kv_bytes"] = m.kv_bytes_per_token(seq_len)
             a = m.args
             row["kv_ratio"] = row["kv_bytes"] / (2 * a.num_layers * a.num_kv_heads * a.head_dim * 2)
             row["weight_bytes"] = m.weight_bytes()
@@ -258,8 +276,10 @@ def main(argv=None) -> None:
     )
     p.add_argument(
         "--variants",
-        default="fp16,KV8,KV8-static,W8A8,W8A8+SQ0.5,W8A8+KV8,W8A8+KV8+SQ0.5,"
-        "W8A8+KV8-static+SQ0.5,W8A8-static+KV8+SQ0.5",
+        default="fp16,KV8,KV8-static,KV4,KV4-w128s4,KV4-g4,KV4-g4-w128s4,W8A8,W8A8+SQ0.5,W8A8+KV8,"
+        "W8A8+KV8+SQ0.5,W8A8+KV4-w128s4+SQ0.5,W8A8+KV8-static+SQ0.5,W8A8-static+KV8+SQ0.5",
+        help="comma-separated variant labels (QuantConfig.from_label: fp16, W8A8[-static], KV8[-static], "
+        "KV4[-g4][-w<window>s<sinks>][-c<clip>], +SQ<alpha>)",
     )
     p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
     p.add_argument("--out", default="bench/out")

@@ -55,6 +55,9 @@ class GraphDecoder:
             block_tables=self.block_tables,
             seq_lens=self.seq_lens,
         )
+        if cache.skvq:  # the SKVQ write: one token per sequence, and each sequence's side slot
+            self.ctx.cu_seqlens = torch.arange(b + 1, dtype=torch.int32, device=dev)
+            self.ctx.side_slots = cache.side_slots(self.seq_ids)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
 
@@ -67,6 +70,8 @@ class GraphDecoder:
         self.seq_lens.copy_(lens)
         self.positions.copy_(lens.long() - 1)
         self.block_tables.copy_(c.block_tables(sid, self.max_blocks))
+        if self.ctx.side_slots is not None:
+            self.ctx.side_slots.copy_(c.side_slots(sid))
 
     @torch.no_grad()
     def step(self, tokens) -> torch.Tensor:

@@ -14,6 +14,8 @@ input_layernorm                   ``qops.rms_norm_quant`` (layer 0) / ``qops.fus
 q_proj, k_proj, v_proj            one fused ``W8A8Linear`` (``qops.w8a8_gemm``)
 rotary + attention                RoPE in PyTorch; ``qops.reshape_and_cache_int8``; decode:
                                   ``qops.paged_decode_attention_int8``; prefill: SDPA
+                                  (int4 cache: ``qops.reshape_and_cache_int4`` or, SKVQ,
+                                  ``qops.skvq_cache_write``; decode ``qops.int4_gqa_decode``)
 o_proj                            ``qops.quant_per_token`` (or ``quant_per_tensor``) + ``W8A8Linear``
 post_attention_layernorm          ``qops.fused_add_rms_norm_quant``
 gate_proj, up_proj                one fused ``W8A8Linear``
@@ -35,6 +37,7 @@ from torch import nn
 import qops
 from qops.quantization import quantize_per_channel
 
+from .cache import Int4PagedKVCache
 from .config import LlamaArgs, QuantConfig
 
 if TYPE_CHECKING:
@@ -242,19 +245,23 @@ class StepContext:
     """Per-step metadata shared by all layers (built by ``QuantizedLlamaForCausalLM.step``).
 
     Attributes:
-        cache: the KV cache (``Int8PagedKVCache`` or ``HalfPagedKVCache``).
+        cache: the KV cache (``Int8PagedKVCache``, ``Int4PagedKVCache`` or ``HalfPagedKVCache``).
         positions: int64 ``[T]`` token positions.
         slot_mapping: int64 ``[T]`` cache slots of the new tokens.
         query_lens: new tokens per sequence (sums to ``T``).
         decode: one new token per sequence appended to existing context; uses the paged decode
             attention. Otherwise a prefill from an empty cache (causal attention per sequence).
-        block_tables, seq_lens: int32 ``[B, max_blocks]`` and ``[B]`` (decode).
+        block_tables, seq_lens: int32 ``[B, max_blocks]`` and ``[B]`` (the lengths after the
+            step's tokens): decode, and any step of an SKVQ cache (its write needs them).
+        cu_seqlens: int32 ``[B + 1]``, the packed tokens' sequence boundaries (SKVQ cache).
+        side_slots: int32 ``[B]``, each sequence's row of the side buffers (SKVQ cache).
         prefill_from_cache: prefill attends to the values read back from the cache (dequantized
-            int8 with the int8 cache) instead of the fresh fp16 K/V: what decode sees, for
-            quality evaluation of the KV cache.
+            int8 / int4 with a quantized cache) instead of the fresh fp16 K/V: what decode sees,
+            for quality evaluation of the KV cache. With SKVQ, each query position sees its own
+            window in full precision, as the decode step at that position would.
     """
 
-    cache: Int8PagedKVCache | HalfPagedKVCache
+    cache: Int8PagedKVCache | HalfPagedKVCache | Int4PagedKVCache
     positions: torch.Tensor
     slot_mapping: torch.Tensor
     query_lens: list
@@ -262,6 +269,8 @@ class StepContext:
     block_tables: torch.Tensor | None = None
     seq_lens: torch.Tensor | None = None
     prefill_from_cache: bool = False
+    cu_seqlens: torch.Tensor | None = None
+    side_slots: torch.Tensor | None = None
 
 
 def _sdpa_gqa(q, k, v, causal: bool, mask=None):
@@ -277,10 +286,12 @@ class Attention(nn.Module):
     """Llama attention over the paged cache. ``forward(x [T, H] or QAct, ctx) -> [T, H]``.
 
     qkv projection (one fused linear, rows ``[q heads | k heads | v heads]``) -> RoPE on q and k
-    -> cache write (``reshape_and_cache_int8`` for the int8 cache) -> attention -> o projection.
-    Decode: ``qops.paged_decode_attention_int8`` (int8 cache) or SDPA over the gathered blocks
-    (float cache). Prefill: causal SDPA per sequence, on the fresh K/V or (``prefill_from_cache``)
-    on the values read back from the cache.
+    -> cache write (``cache.write``: ``reshape_and_cache_int8`` / ``reshape_and_cache_int4`` /
+    ``skvq_cache_write``) -> attention -> o projection. Decode:
+    ``qops.paged_decode_attention_int8`` (int8 cache), ``qops.int4_gqa_decode`` (int4 cache) or
+    SDPA over the gathered blocks (float cache). Prefill: causal SDPA per sequence, on the fresh
+    K/V or (``prefill_from_cache``) on the values read back from the cache (SKVQ: each query with
+    its own full-precision window, ``_prefill_skvq``).
     """
 
     def __init__(self, layer_idx: int, args: LlamaArgs, qkv: nn.Module, o: nn.Module, rotary: Rotary) -> None:
@@ -300,17 +311,27 @@ class Attention(nn.Module):
         k = rot(k.reshape(t, self.hkv, self.d), ctx.positions)
         v = v.reshape(t, self.hkv, self.d)
         cache = ctx.cache
-        cache.write(self.layer_idx, k, v, ctx.slot_mapping)
+        cache.write(self.layer_idx, k, v, ctx.slot_mapping, ctx)
         if ctx.decode:
             o = self._decode(q, cache, ctx)
-        else:
-            if ctx.prefill_from_cache:
-                k, v = cache.gather(self.layer_idx, ctx.slot_mapping, q.dtype)
+        elif not ctx.prefill_from_cache:
             o = self._prefill(q, k, v, ctx.query_lens)
+        else:
+            kc, vc = cache.gather(self.layer_idx, ctx.slot_mapping, q.dtype, ctx)
+            if isinstance(cache, Int4PagedKVCache) and cache.skvq:
+                o = self._prefill_skvq(q, k, v, kc, vc, ctx.query_lens, cache.sinks, cache.window)
+            else:
+                o = self._prefill(q, kc, vc, ctx.query_lens)
         return self.o_proj(o.reshape(t, self.hq * self.d))
 
     def _decode(self, q, cache, ctx) -> torch.Tensor:
         kc, vc, ks, vs = cache.layer(self.layer_idx)
+        if cache.kv_dtype == "int4":
+            # the SKVQ cache's sinks and window come from the side buffers (ks, vs: None without)
+            return qops.int4_gqa_decode(
+                q, kc, vc, ctx.block_tables, ctx.seq_lens, self.sm_scale, cache.num_groups,
+                k_side=ks, v_side=vs, side_slots=ctx.side_slots, sinks=cache.sinks, window=cache.window,
+            )  # fmt: skip
         if ks is not None:
             # the cache write just before wrote only each sequence's new token (position
             # seq_len - 1): the kernel may read q, the tables and the older K/V while it
@@ -346,6 +367,42 @@ class Attention(nn.Module):
             outs.append(o[0].transpose(0, 1))
             start += n
         return torch.cat(outs, dim=0)
+
+    def _prefill_skvq(self, q, k, v, kc, vc, query_lens, sinks: int, window: int) -> torch.Tensor:
+        """Causal attention of a prefill as the SKVQ decode steps see it: query ``t`` reads key
+        ``p`` in full precision (the fresh ``k``, ``v``: what the side buffers held) when
+        ``p < sinks`` or ``p > t - window``, else as its int4 row (``kc``, ``vc``: read back from
+        the cache, where every such key lies outside the final window)."""
+        if max(query_lens) <= sinks + window:  # no query reads an int4 row
+            return self._prefill(q, k, v, query_lens)
+        if len(set(query_lens)) == 1:  # equal lengths: one batched call
+            b, s = len(query_lens), query_lens[0]
+            qb, kb, vb, kcb, vcb = (t.reshape(b, s, *t.shape[1:]) for t in (q, k, v, kc, vc))
+            return self._mixed_attention(qb, kb, vb, kcb, vcb, sinks, window).reshape(b * s, self.hq, self.d)
+        outs, start = [], 0
+        for n in query_lens:
+            qs, ks, vs, kcs, vcs = (t[start : start + n][None] for t in (q, k, v, kc, vc))
+            outs.append(self._mixed_attention(qs, ks, vs, kcs, vcs, sinks, window)[0])
+            start += n
+        return torch.cat(outs, dim=0)
+
+    def _mixed_attention(self, q, kf, vf, kq, vq, sinks: int, window: int) -> torch.Tensor:
+        """``q [B, S, HQ, D]``, full-precision ``kf, vf`` and int4-read ``kq, vq`` ``[B, S, H_kv,
+        D]`` -> ``[B, S, HQ, D]``: causal softmax attention in float32 where query ``t`` takes
+        key ``p``'s int4 value iff ``sinks <= p < t + 1 - window``."""
+        s, rep = q.shape[1], self.hq // self.hkv
+        t = torch.arange(s, device=q.device)
+        int4 = (t[None, :] >= sinks) & (t[None, :] < t[:, None] + 1 - window)  # [query, key]
+        future = t[None, :] > t[:, None]
+
+        def heads(x):  # kv [B, S, H_kv, D] -> float32 [B, HQ, S, D]
+            return x.float().transpose(1, 2).repeat_interleave(rep, dim=1)
+
+        qf = q.float().transpose(1, 2)
+        scores = torch.where(int4, qf @ heads(kq).transpose(-1, -2), qf @ heads(kf).transpose(-1, -2))
+        p = torch.softmax((scores * self.sm_scale).masked_fill(future, float("-inf")), dim=-1)
+        o = torch.where(int4, p, 0.0) @ heads(vq) + torch.where(int4, 0.0, p) @ heads(vf)
+        return o.transpose(1, 2).to(q.dtype)
 
 
 # ---- MLP ----------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import operator
 from collections.abc import Hashable, Iterable, Sequence
@@ -13,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..int4_kv import kv_int4_row_bytes
 from .cache import blocks_needed, make_cache
 from .config import LlamaArgs, QuantConfig
 from .layers import (
@@ -170,16 +172,25 @@ class QuantizedLlamaForCausalLM(nn.Module):
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
 
-    def new_cache(self, num_blocks: int):
-        """An empty KV cache of ``num_blocks`` blocks for this model (int8 or float per ``qcfg``)."""
+    def new_cache(self, num_blocks: int, max_seqs: int | None = None):
+        """An empty KV cache of ``num_blocks`` blocks for this model (int8, int4 or float per
+        ``qcfg``); ``max_seqs``: the sequences an SKVQ cache holds at once (its side buffers;
+        default ``min(num_blocks, 256)``), unused by the other caches."""
         ks, vs = self.kv_scales if self.kv_scales is not None else (None, None)
         return make_cache(
-            self.args, self.qcfg, num_blocks, device=self.device, dtype=self.dtype, k_scales=ks, v_scales=vs
+            self.args,
+            self.qcfg,
+            num_blocks,
+            device=self.device,
+            dtype=self.dtype,
+            k_scales=ks,
+            v_scales=vs,
+            max_seqs=max_seqs,
         )
 
     def cache_for(self, lengths: Sequence[int]):
         """A cache just large enough for sequences of the given final lengths."""
-        return self.new_cache(max(1, blocks_needed(lengths, self.qcfg.block_size)))
+        return self.new_cache(max(1, blocks_needed(lengths, self.qcfg.block_size)), max_seqs=max(1, len(lengths)))
 
     # ---- forward --------------------------------------------------------------------------------
     def head_weight(self) -> torch.Tensor:
@@ -265,9 +276,12 @@ class QuantizedLlamaForCausalLM(nn.Module):
                 decode=decode,
                 prefill_from_cache=prefill_from_cache,
             )
-            if decode:
+            if decode or cache.skvq:  # the SKVQ write needs the tables and lengths in prefill too
                 ctx.block_tables = cache.block_tables(seq_ids)
                 ctx.seq_lens = cache.seq_lens(seq_ids)
+            if cache.skvq:
+                ctx.cu_seqlens = torch.tensor([0, *itertools.accumulate(qlens)], dtype=torch.int32, device=dev)
+                ctx.side_slots = cache.side_slots(seq_ids)
             last = None
             if last_only:
                 last = torch.tensor(qlens, device=dev).cumsum(0) - 1
@@ -293,13 +307,23 @@ class QuantizedLlamaForCausalLM(nn.Module):
             total += t.numel() * t.element_size()
         return total
 
-    def kv_bytes_per_token(self) -> int:
-        """KV-cache bytes per token (all layers, K and V, int8 scales included)."""
-        a = self.args
+    def kv_bytes_per_token(self, context: int | None = None) -> int:
+        """KV-cache bytes per token (all layers, K and V, int8 scales and int4 headers included).
+
+        SKVQ's side buffers (sinks + window tokens in the model dtype) are per sequence: with
+        ``context`` they are spread over a sequence of that many tokens (rounded to an int);
+        without, the int4 rows alone (the long-sequence limit)."""
+        a, q = self.args, self.qcfg
         per = 2 * a.num_layers * a.num_kv_heads * a.head_dim
-        if self.qcfg.kv_cache == "int8":
-            return per + (0 if self.qcfg.kv_scales == "static" else 2 * a.num_layers * a.num_kv_heads * 4)
-        return per * torch.finfo(self.dtype).bits // 8
+        half = torch.finfo(self.dtype).bits // 8
+        if q.kv_cache == "int8":
+            return per + (0 if q.kv_scales == "static" else 2 * a.num_layers * a.num_kv_heads * 4)
+        if q.kv_cache == "int4":
+            rows = 2 * a.num_layers * a.num_kv_heads * kv_int4_row_bytes(a.head_dim, q.kv_groups)
+            if context is None or not q.skvq:
+                return rows
+            return rows + round(per * half * (q.kv_sinks + q.kv_window) / context)
+        return per * half
 
     # ---- save / load ----------------------------------------------------------------------------
     def save(self, path: str | Path) -> None:

@@ -78,12 +78,12 @@ class _ObservingCache(HalfPagedKVCache):
         super().__init__(*a, **k)
         self.stats = stats
 
-    def write(self, i, key, value, slot_mapping) -> None:
+    def write(self, i, key, value, slot_mapping, ctx=None) -> None:
         for name, x in (("k", key), ("v", value)):
             m = x.detach().float().abs().amax(0)  # [H_kv, D]
             key_ = f"layers.{i}.{name}"
             self.stats[key_] = torch.maximum(self.stats[key_], m) if key_ in self.stats else m
-        super().write(i, key, value, slot_mapping)
+        super().write(i, key, value, slot_mapping, ctx)
 
 
 def _windows(tokens, seq_len: int) -> list[torch.Tensor]:
@@ -249,9 +249,9 @@ def check_supported(args: LlamaArgs, qcfg: QuantConfig) -> None:
                 f"qops.llama.quantize: W8A8 needs layer sizes that are multiples of 16 "
                 f"(the int8 GEMMs' K and N), got {bad}; use weights=False"
             )
-    if qcfg.kv_cache == "int8" and args.head_dim not in (64, 128):
+    if qcfg.kv_cache in ("int8", "int4") and args.head_dim not in (64, 128):
         raise ValueError(
-            f"qops.llama.quantize: the int8 KV cache's decode attention supports head_dim "
+            f"qops.llama.quantize: the {qcfg.kv_cache} KV cache's decode attention supports head_dim "
             f"64 or 128, got {args.head_dim}; use kv_cache='fp16'"
         )
 
@@ -332,8 +332,8 @@ def quantize_state_dict(
         dtype = mdtype if mdtype in (torch.float16, torch.bfloat16) else torch.float16
     if qcfg.weights and dtype not in (torch.float16, torch.bfloat16):
         raise TypeError(f"qops.llama: W8A8 models run in float16 or bfloat16, got dtype={dtype}")
-    if qcfg.kv_cache == "int8" and dtype not in (torch.float16, torch.bfloat16):
-        raise TypeError(f"qops.llama: the int8 KV cache takes float16 or bfloat16 K/V, got dtype={dtype}")
+    if qcfg.kv_cache in ("int8", "int4") and dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"qops.llama: the {qcfg.kv_cache} KV cache takes float16 or bfloat16 K/V, got dtype={dtype}")
     device = torch.device(device) if device is not None else sd["model.embed_tokens.weight"].device
     check_supported(args, qcfg)
 

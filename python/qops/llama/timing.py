@@ -54,7 +54,8 @@ def _summarize(name, batch, context, times, dev, kv_bytes, weight_bytes, note=""
 @torch.no_grad()
 def fill_cache_random(model, cache, seq_ids, context: int, generator: torch.Generator | None = None) -> None:
     """Reserve ``context`` tokens for each sequence and fill the cache with random K/V (int8
-    values and plausible scales, or float values)."""
+    values and plausible scales, int4 codes under plausible fp16 scale/shift headers and random
+    side buffers, or float values)."""
     cache.append_slots(list(seq_ids), [context] * len(seq_ids))
     if cache.k_cache.dtype == torch.int8:
         for t in (cache.k_cache, cache.v_cache):
@@ -62,6 +63,17 @@ def fill_cache_random(model, cache, seq_ids, context: int, generator: torch.Gene
         if cache.k_scales is not None and cache.k_scales.dim() > 2:  # dynamic: [L, nb, H, bs]
             cache.k_scales.uniform_(0.01, 0.05, generator=generator)
             cache.v_scales.uniform_(0.01, 0.05, generator=generator)
+    elif cache.k_cache.dtype == torch.uint8:  # int4 rows: [fp16 (scale, shift) x G | codes]
+        hdr = 4 * cache.num_groups
+        for t in (cache.k_cache, cache.v_cache):
+            t.random_(0, 256, generator=generator)
+            pairs = torch.empty((*t.shape[:-1], cache.num_groups, 2), dtype=torch.float16, device=t.device)
+            pairs[..., 0].uniform_(0.02, 0.2, generator=generator)  # scale: codes 0..15 span 0.3 .. 3
+            pairs[..., 1].uniform_(-1.5, -0.1, generator=generator)  # shift
+            t[..., :hdr] = pairs.view(torch.uint8).reshape(*t.shape[:-1], hdr)
+        for t in (cache.k_side, cache.v_side):
+            if t is not None:
+                t.normal_(generator=generator)
     else:
         cache.k_cache.normal_(generator=generator)
         cache.v_cache.normal_(generator=generator)
