@@ -349,6 +349,7 @@ at::Tensor int4_gqa_decode_cuda(const at::Tensor& query, const at::Tensor& k_cac
 
   // SKVQ: the side tokens first (their partial, one more split, is folded in by the split kernel)
   at::Tensor side_part;
+  int parts = 0;
   if (any_side) {
     qops::DeviceProps props;
     check_launch(qops::current_device_props(&props), op);
@@ -357,7 +358,12 @@ at::Tensor int4_gqa_decode_cuda(const at::Tensor& query, const at::Tensor& k_cac
     QOPS_CHECK_VALUE(
         smem <= props.smem_per_block, op, "sinks + window and the query heads per kv head need ",
         smem, " bytes of shared memory on CUDA, more than the device's ", props.smem_per_block);
-    side_part = at::empty({B * HQ * (D + 1)}, query.options().dtype(at::kFloat));
+    // Parts: enough CTAs for the SMs where the batch has few (sequence, kv head) pairs, each part
+    // at least 16 tokens.
+    const int64_t pairs = B * HKV;
+    parts = static_cast<int>(std::max<int64_t>(
+        1, std::min<int64_t>({(props.sms + pairs - 1) / pairs, (sinks + window + 15) / 16, 16})));
+    side_part = at::empty({parts * B * HQ * (D + 1)}, query.options().dtype(at::kFloat));
     qops::attention::SkvqSideParams sp{};
     sp.query = q.data_ptr();
     sp.q_stride_b = q.stride(0);
@@ -367,7 +373,8 @@ at::Tensor int4_gqa_decode_cuda(const at::Tensor& query, const at::Tensor& k_cac
     sp.side_slots = side_slots->data_ptr<int32_t>();
     sp.seq_lens = seq_lens.data_ptr<int32_t>();
     sp.out = side_part.data_ptr<float>();
-    sp.lse = sp.out + B * HQ * D;
+    sp.lse = sp.out + parts * B * HQ * D;
+    sp.parts = parts;
     sp.batch = static_cast<int>(B);
     sp.num_q_heads = static_cast<int>(HQ);
     sp.num_kv_heads = static_cast<int>(HKV);
@@ -407,7 +414,8 @@ at::Tensor int4_gqa_decode_cuda(const at::Tensor& query, const at::Tensor& k_cac
   p.window = static_cast<int>(window);
   if (any_side) {
     p.extra_out = side_part.data_ptr<float>();
-    p.extra_lse = p.extra_out + B * HQ * D;
+    p.extra_lse = p.extra_out + parts * B * HQ * D;
+    p.extra_parts = parts;
   }
   // The split heuristic counts int8 tokens (D + 4 bytes of K per token): an int4 context of the
   // same bytes is (D + 4) / row_bytes times longer.

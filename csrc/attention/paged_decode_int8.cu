@@ -987,7 +987,9 @@ __global__ void __launch_bounds__(NW * 32, kMinBlocksPerSm<D, kTwoRows, kFmt, NW
     if (num_splits == 1) {
       if constexpr (kInt4) {
         if (p.extra_lse != nullptr)
-          fold_extra(val, lse, p.extra_out + bh * D + d0, p.extra_lse[bh]);
+          fold_extra(val, lse, p.extra_out + bh * D + d0, p.extra_lse + bh, p.extra_parts,
+                     static_cast<int64_t>(p.batch) * p.num_q_heads * D,
+                     static_cast<int64_t>(p.batch) * p.num_q_heads);
       }
       store_out4(static_cast<T*>(p.out) + bh * D + d0, val);
     } else if constexpr (kCluster) {
@@ -1056,7 +1058,9 @@ __global__ void __launch_bounds__(NW * 32, kMinBlocksPerSm<D, kTwoRows, kFmt, NW
       if constexpr (kInt4) {
         if (p.extra_lse != nullptr) {
           const int64_t bh = static_cast<int64_t>(b) * p.num_q_heads + h0 + row;
-          fold_extra(acc, merged_lse(mx, wsum), p.extra_out + bh * D + d0, p.extra_lse[bh]);
+          fold_extra(acc, merged_lse(mx, wsum), p.extra_out + bh * D + d0, p.extra_lse + bh,
+                     p.extra_parts, static_cast<int64_t>(p.batch) * p.num_q_heads * D,
+                     static_cast<int64_t>(p.batch) * p.num_q_heads);
         }
       }
       store_out4(
@@ -1153,7 +1157,9 @@ __global__ void __launch_bounds__(NW * 32, kMinBlocksPerSm<D, kTwoRows, kFmt, NW
     if constexpr (kInt4) {
       if (p.extra_lse != nullptr) {
         fold_extra(acc, merged_lse(mx, wsum), p.extra_out + (bh0 + row) * D + d0,
-                   p.extra_lse[bh0 + row]);
+                   p.extra_lse + bh0 + row, p.extra_parts,
+                   static_cast<int64_t>(p.batch) * p.num_q_heads * D,
+                   static_cast<int64_t>(p.batch) * p.num_q_heads);
       }
     }
     store_out4(static_cast<T*>(p.out) + (bh0 + row) * D + d0, acc);
@@ -1166,7 +1172,7 @@ template <typename T, int D>
 __global__ void __launch_bounds__(128)
     paged_decode_int8_reduce_kernel(const float* partial_out, const float* partial_lse, T* out,
                                     int rows, int num_splits, const float* extra_out,
-                                    const float* extra_lse) {
+                                    const float* extra_lse, int extra_parts) {
   constexpr int E = D / 32;
   const int lane = threadIdx.x & 31;
   const int row = blockIdx.x * 4 + (threadIdx.x >> 5);
@@ -1202,7 +1208,7 @@ __global__ void __launch_bounds__(128)
   for (int e = 0; e < E; ++e) acc[e] = merge_finish(acc[e], inv);
   if (extra_lse != nullptr) {  // the SKVQ side tokens: one more split
     fold_extra(acc, merged_lse(m, wsum), extra_out + static_cast<int64_t>(row) * D + lane * E,
-               extra_lse[row]);
+               extra_lse + row, extra_parts, static_cast<int64_t>(rows) * D, rows);
   }
 #pragma unroll
   for (int e = 0; e < E; ++e) op[e] = from_float<T>(acc[e]);
@@ -1298,9 +1304,9 @@ cudaError_t launch(const PagedDecodeInt8Params& p, cudaStream_t stream, int* max
   if (err != cudaSuccess || p.num_splits == 1 || p.split_counters != nullptr || p.cluster_merge)
     return err;
   const int rows = p.batch * p.num_q_heads;
-  paged_decode_int8_reduce_kernel<T, D>
-      <<<(rows + 3) / 4, 128, 0, stream>>>(p.partial_out, p.partial_lse, static_cast<T*>(p.out),
-                                           rows, p.num_splits, p.extra_out, p.extra_lse);
+  paged_decode_int8_reduce_kernel<T, D><<<(rows + 3) / 4, 128, 0, stream>>>(
+      p.partial_out, p.partial_lse, static_cast<T*>(p.out), rows, p.num_splits, p.extra_out,
+      p.extra_lse, p.extra_parts);
   return cudaGetLastError();
 }
 
@@ -1407,14 +1413,24 @@ int paged_decode_int4_num_splits(int batch, int num_q_heads, int num_kv_heads, i
   const int64_t ctas = static_cast<int64_t>(batch) * num_kv_heads * head_groups(G);
   const int64_t sms = num_sms > 0 ? num_sms : 132;
   // resident 4-warp CTAs per SM (kMinBlocksPerSm)
-  const int per_sm = head_dim == 128 && num_groups == 1 && G <= 8 ? 4 : 3;
+  const int per_sm = head_dim == 128 ? (G > 8 ? 2 : (num_groups == 1 ? 4 : 3)) : 3;
   const int64_t slots = sms * per_sm;
-  if (ctas < slots) {
-    const int64_t fill = slots / ctas;
+  if (head_dim == 64 && ctas < slots) {
+    // fewer CTAs than a wave: more splits, at least kMinInt4TokensPerSplit tokens each
     const int64_t by_len = std::max<int64_t>(1, max_context / kMinInt4TokensPerSplit);
-    // (at most a cluster's worth: the int8 rule already picks the small-batch split counts)
-    const int64_t want = std::min<int64_t>({fill, by_len, kPagedDecodeMaxClusterSplits});
+    const int64_t want = std::min<int64_t>(by_len, kPagedDecodeMaxClusterSplits);
     if (want > s) s = static_cast<int>(want);
+  } else if (s == 1 && ctas > slots) {
+    // several waves: the split count (<= 4) whose last wave is the fullest
+    double best = 0.0;
+    for (int k = 1; k <= 4; ++k) {
+      const double waves = static_cast<double>(ctas) * k / static_cast<double>(slots);
+      const double fill = waves / std::ceil(waves);
+      if (fill > best + 1e-6) {
+        best = fill;
+        s = k;
+      }
+    }
   }
   return s < 1 ? 1 : s;
 }

@@ -74,17 +74,20 @@ struct PagedDecodeInt8Params {
   int num_groups;  // 1 or 4
   // SKVQ: positions [min(sinks, L), max(min(sinks, L), L - window)) are read from the int4 cache;
   // the others (the sinks and the window, full precision) by skvq_side_decode into extra_out /
-  // extra_lse ([B, HQ, D] O / l and [B, HQ] log2-sum-exp, the kernel's units), which the split
-  // kernel folds into its output as one more split. extra_lse == nullptr: no side tokens.
+  // extra_lse (extra_parts x [B, HQ, D] O / l and [B, HQ] log2-sum-exp, the kernel's units),
+  // which the split kernel folds into its output as more splits. extra_lse == nullptr: none.
   int sinks, window;
   const float* extra_out;
   const float* extra_lse;
+  int extra_parts;
 };
 
 // The full-precision side of an SKVQ cache: the sinks and the window of each sequence.
 //   k_side, v_side: the query's dtype [num_side_slots, HKV, sinks + window, D], contiguous
-//   side_slots: int32 [B]; out: f32 [B, HQ, D] (O / l; zeros where no side token), lse: f32 [B, HQ]
-//   (log2 domain: max(s * sm_scale * log2 e) + log2(sum), -inf where no side token).
+//   side_slots: int32 [B]; out: f32 [parts, B, HQ, D] (O / l; zeros where no side token), lse:
+//   f32 [parts, B, HQ] (log2 domain: max(s * sm_scale * log2 e) + log2(sum), -inf where none).
+//   Part k of a sequence's n side tokens is tokens [k n / parts, (k + 1) n / parts): more CTAs
+//   where the batch has few (sequence, kv head) pairs.
 struct SkvqSideParams {
   const void* query;
   int64_t q_stride_b, q_stride_h;
@@ -94,7 +97,7 @@ struct SkvqSideParams {
   const int32_t* seq_lens;
   float* out;
   float* lse;
-  int batch, num_q_heads, num_kv_heads, head_dim, sinks, window;
+  int batch, num_q_heads, num_kv_heads, head_dim, sinks, window, parts;
   float sm_scale;
   bool bf16;
   bool no_pdl;
@@ -124,16 +127,18 @@ constexpr int kPagedDecodePortableClusterSplits = 8;
 int paged_decode_int8_num_splits(int batch, int num_q_heads, int num_kv_heads, int head_dim,
                                  int max_context, int num_sms, bool cluster_merge);
 
-// The split count for the int4 cache: the int8 rule at the int8 context of the same bytes, raised
-// where the grid would have fewer CTAs than a wave of resident 4-warp CTAs (kInt4CtasPerSm per SM)
-// to the splits that fill one, with at least kMinInt4TokensPerSplit tokens each. An int4 chunk
-// costs about as many instructions as an int8 one for a quarter of the bytes, so a split streams
-// fewer bytes per SM than the int8 kernel's 8-warp CTAs and the int4 decode wants more warps per
-// SM (H100, bench/bench_int4_decode.py: SmolLM2 B = 32, T = 16384: one split of 8 warps reached
-// 0.46 of copy bandwidth).
+// The split count for the int4 cache: the int8 rule at the int8 context of the same bytes, then
+// - head_dim 64, fewer CTAs than a wave of resident 4-warp CTAs: ceil(context / 1024) splits, at
+//   most 16 (H100, bench/bench_int4_decode.py --sweep, forced split counts in one run: SmolLM2
+//   B = 32, T = 16384: 1 split 83.8 us, 4 70.7, 8 64.0, 16 61.1; T = 4096: 1 split 23.1, 4 20.7,
+//   16 22.3);
+// - one split of several waves: the count (<= 4) whose last wave is the fullest (seed config,
+//   4 groups, B = 512: 512 CTAs on 396 slots, 1 split 307 us, 2 splits 256.7).
+// At head_dim 128, more splits of fewer CTAs than a wave measured slower than the int8 rule's
+// (seed config B = 64: 2 splits 33.6 us, 8 41.6; Llama-3-8B B = 32, T = 4096: 1 split 58.7, 8 68.3).
 int paged_decode_int4_num_splits(int batch, int num_q_heads, int num_kv_heads, int head_dim,
                                  int num_groups, int max_context, int num_sms, bool cluster_merge);
-constexpr int kMinInt4TokensPerSplit = 256;
+constexpr int kMinInt4TokensPerSplit = 1024;
 
 // Floats of workspace needed for `num_splits` (0 when num_splits == 1).
 int64_t paged_decode_int8_workspace_floats(int batch, int num_q_heads, int head_dim,

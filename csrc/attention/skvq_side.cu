@@ -56,8 +56,13 @@ __global__ void __launch_bounds__(kThreads) skvq_side_kernel(const SkvqSideParam
   const int L = max(0, p.seq_lens[b]);
   const int n_sink = min(p.sinks, L);
   const int n_win = min(p.window, L - n_sink);
-  const int n = n_sink + n_win;  // side tokens: indices [0, n_sink) and sinks + [0, n_win)
-  const int64_t row0 = static_cast<int64_t>(b) * p.num_q_heads + kvh * G;
+  const int n_all = n_sink + n_win;  // side tokens: indices [0, n_sink) and sinks + [0, n_win)
+  // this CTA's part of them: [t0, t0 + n)
+  const int part = blockIdx.z;
+  const int t0 = n_all * part / p.parts;
+  const int n = n_all * (part + 1) / p.parts - t0;
+  const int64_t row0 = (static_cast<int64_t>(part) * p.batch + b) * p.num_q_heads + kvh * G;
+  const T* q_base = static_cast<const T*>(p.query) + b * p.q_stride_b;
   if (n == 0) {
     for (int i = threadIdx.x; i < G * D; i += kThreads) p.out[row0 * D + i] = 0.f;
     for (int h = threadIdx.x; h < G; h += kThreads) p.lse[row0 + h] = -INFINITY;
@@ -68,7 +73,8 @@ __global__ void __launch_bounds__(kThreads) skvq_side_kernel(const SkvqSideParam
   const int64_t base = (static_cast<int64_t>(p.side_slots[b]) * p.num_kv_heads + kvh) * side * D;
   for (int i = threadIdx.x; i < n * (D / kVec); i += kThreads) {
     const int t = i / (D / kVec), c = (i % (D / kVec)) * kVec;
-    const int idx = t < n_sink ? t : p.sinks + (t - n_sink);
+    const int ta = t0 + t;
+    const int idx = ta < n_sink ? ta : p.sinks + (ta - n_sink);
     const int64_t src = base + static_cast<int64_t>(idx) * D + c;
     const uint4 kk = __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(p.k_side) + src));
     uint32_t* kd = s_k + t * KS + c / 2;
@@ -82,7 +88,7 @@ __global__ void __launch_bounds__(kThreads) skvq_side_kernel(const SkvqSideParam
   const float qscale = p.sm_scale * kLog2e;
   for (int i = threadIdx.x; i < G * D; i += kThreads) {
     const int h = i / D, d = i % D;
-    const T* q = static_cast<const T*>(p.query) + b * p.q_stride_b + (kvh * G + h) * p.q_stride_h;
+    const T* q = q_base + (kvh * G + h) * p.q_stride_h;
     s_q[i] = to_float(q[d]) * qscale;
   }
   __syncthreads();
@@ -148,7 +154,7 @@ cudaError_t launch_side(const SkvqSideParams& p, cudaStream_t stream) {
                                          static_cast<int>(smem));
   if (err != cudaSuccess) return err;
   // PDL: the cache write before it may still run; the split kernel after it waits for it.
-  return launch_kernel_smem(kernel, dim3(p.num_kv_heads, p.batch), dim3(kThreads),
+  return launch_kernel_smem(kernel, dim3(p.num_kv_heads, p.batch, p.parts), dim3(kThreads),
                             static_cast<size_t>(smem), stream, !p.no_pdl, p);
 }
 
@@ -162,7 +168,7 @@ int64_t skvq_side_smem_bytes(int head_dim, int side_tokens, int group) {
 cudaError_t skvq_side_decode(const SkvqSideParams& p, cudaStream_t stream) {
   if ((p.head_dim != 64 && p.head_dim != 128) || p.num_kv_heads <= 0 ||
       p.num_q_heads % p.num_kv_heads != 0 || p.sinks < 0 || p.window < 0 ||
-      p.sinks + p.window == 0 || p.batch < 0 || p.batch > 65535) {
+      p.sinks + p.window == 0 || p.batch < 0 || p.batch > 65535 || p.parts < 1 || p.parts > 64) {
     return cudaErrorInvalidValue;
   }
   if (p.batch == 0) return cudaSuccess;

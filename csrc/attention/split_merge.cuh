@@ -41,19 +41,32 @@ __device__ __forceinline__ float merge_finish(float acc, float inv) {
   return acc * inv;
 }
 
-// Folds one more partial -- (O / l, lse) of the SKVQ side tokens (skvq_side_decode), N
-// consecutive elements at eo -- into N merged outputs `acc` whose splits had log2-sum-exp `lse`
-// (-inf: none; acc is then 0). Both empty: acc stays 0.
+// Folds more partials -- the SKVQ side tokens' (O / l, lse), `parts` of them (skvq_side_decode),
+// part k's N consecutive elements at eo + k * o_stride and its lse at el[k * l_stride] -- into N
+// merged outputs `acc` whose splits had log2-sum-exp `lse` (-inf: none; acc is then 0). All
+// empty: acc stays 0.
 template <int N>
 __device__ __forceinline__ void fold_extra(float (&acc)[N], float lse, const float* eo,
-                                           float else_) {
-  const float m = fmaxf(lse, else_);
+                                           const float* el, int parts, int64_t o_stride,
+                                           int64_t l_stride) {
+  float m = lse;
+  for (int k = 0; k < parts; ++k) m = fmaxf(m, el[k * l_stride]);
   if (m == -INFINITY) return;
   const float w0 = lse == -INFINITY ? 0.f : merge_weight(lse, m);
-  const float w1 = else_ == -INFINITY ? 0.f : merge_weight(else_, m);
-  const float inv = merge_inv(w0 + w1);
+  float wsum = w0;
 #pragma unroll
-  for (int i = 0; i < N; ++i) acc[i] = (w0 * acc[i] + w1 * eo[i]) * inv;
+  for (int i = 0; i < N; ++i) acc[i] *= w0;
+  for (int k = 0; k < parts; ++k) {
+    const float l = el[k * l_stride];
+    if (l == -INFINITY) continue;  // a part without tokens
+    const float w = merge_weight(l, m);
+    wsum += w;
+#pragma unroll
+    for (int i = 0; i < N; ++i) merge_add(acc[i], w, eo[k * o_stride + i]);
+  }
+  const float inv = merge_inv(wsum);
+#pragma unroll
+  for (int i = 0; i < N; ++i) acc[i] = merge_finish(acc[i], inv);
 }
 // The log2-sum-exp of merged splits: max lse + log2(sum of weights), -inf when none.
 __device__ __forceinline__ float merged_lse(float m, float wsum) {
