@@ -43,6 +43,23 @@ LINEARS = {
 }
 
 
+def check_float_weights(sd: dict, quantized_config=None) -> None:
+    """Raise ``ValueError`` when a weight of ``sd`` is not a floating-point tensor: a quantized
+    checkpoint (e.g. compressed-tensors W8A8) loaded without its dequantizer has int8 linear
+    weights and no scales, and would give NaN or garbage logits."""
+    bad = {k: v.dtype for k, v in sd.items() if isinstance(v, torch.Tensor) and not v.is_floating_point()}
+    bad = {k: d for k, d in bad.items() if k.endswith(".weight") or "_proj" in k}
+    if bad:
+        shown = ", ".join(f"{k} ({d})" for k, d in list(bad.items())[:4]) + (" ..." if len(bad) > 4 else "")
+        qc = f" (its config has quantization_config {quantized_config!r})" if quantized_config else ""
+        raise ValueError(
+            f"qops.llama.quantize: the model has non-float weights: {shown}{qc}. The checkpoint looks "
+            f"already quantized (e.g. compressed-tensors W8A8 loaded with plain from_pretrained, which "
+            f"keeps the int8 weights and drops their scales); qops.llama quantizes float weights: load "
+            f"the checkpoint dequantized (or its unquantized original) in float16/bfloat16/float32"
+        )
+
+
 # ---- Hugging Face model -> float weights --------------------------------------------------------
 def hf_parts(model):
     """``(state_dict, LlamaArgs, inv_freq, attention_scaling)`` of a ``LlamaForCausalLM``."""
@@ -60,6 +77,7 @@ def hf_parts(model):
         )
     args = LlamaArgs.from_hf(cfg)
     sd = dict(model.state_dict().items())
+    check_float_weights(sd, quantized_config=getattr(cfg, "quantization_config", None))
     if "lm_head.weight" not in sd or args.tie_word_embeddings:
         sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
     rot = getattr(getattr(model, "model", None), "rotary_emb", None)
@@ -335,6 +353,7 @@ def quantize_state_dict(
     if qcfg.kv_cache in ("int8", "int4") and dtype not in (torch.float16, torch.bfloat16):
         raise TypeError(f"qops.llama: the {qcfg.kv_cache} KV cache takes float16 or bfloat16 K/V, got dtype={dtype}")
     device = torch.device(device) if device is not None else sd["model.embed_tokens.weight"].device
+    check_float_weights(sd)
     check_supported(args, qcfg)
 
     if qcfg.needs_calibration and stats is None:
