@@ -43,6 +43,21 @@ LINEARS = {
 }
 
 
+# RoPE types whose Hugging Face ``inv_freq`` (and ``attention_scaling``) is one fixed table, which
+# ``Rotary`` takes as it is: "dynamic" (NTK) and "longrope" recompute it from the sequence length.
+SUPPORTED_ROPE = ("default", "linear", "llama3", "yarn")
+
+
+def rope_type(cfg) -> str:
+    """The RoPE type of a ``LlamaConfig``: ``rope_parameters`` (transformers 5) or ``rope_scaling``
+    (4.x; key ``rope_type`` or the legacy ``type``); ``"default"`` when unscaled."""
+    for attr in ("rope_parameters", "rope_scaling"):
+        params = getattr(cfg, attr, None)
+        if isinstance(params, dict) and (params.get("rope_type") or params.get("type")):
+            return str(params.get("rope_type") or params.get("type"))
+    return "default"
+
+
 def check_float_weights(sd: dict, quantized_config=None) -> None:
     """Raise ``ValueError`` when a weight of ``sd`` is not a floating-point tensor: a quantized
     checkpoint (e.g. compressed-tensors W8A8) loaded without its dequantizer has int8 linear
@@ -75,9 +90,21 @@ def hf_parts(model):
         raise NotImplementedError(
             f"qops.llama: hidden_act {act!r} is not supported (the MLP runs SiLU-and-mul: silu only)"
         )
+    rope = rope_type(cfg)
+    if rope not in SUPPORTED_ROPE:
+        raise NotImplementedError(
+            f"qops.llama: rope type {rope!r} is not supported (the qops rotary uses one fixed inv_freq "
+            f"table: {', '.join(SUPPORTED_ROPE)}; 'dynamic' and 'longrope' change it with the sequence "
+            f"length, and would silently diverge from Hugging Face)"
+        )
     args = LlamaArgs.from_hf(cfg)
     sd = dict(model.state_dict().items())
     check_float_weights(sd, quantized_config=getattr(cfg, "quantization_config", None))
+    biases = [k for k in sd if k.endswith("_proj.bias")]
+    if biases:
+        raise NotImplementedError(
+            f"qops.llama: linear biases are not supported (the qops linears have none), got {biases[:3]}"
+        )
     if "lm_head.weight" not in sd or args.tie_word_embeddings:
         sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
     rot = getattr(getattr(model, "model", None), "rotary_emb", None)
@@ -253,7 +280,10 @@ def apply_smoothing(sd: dict, args: LlamaArgs, stats: dict, alpha: float, target
 def check_supported(args: LlamaArgs, qcfg: QuantConfig) -> None:
     """Raise at quantize time, with the reason, for a model the quantized kernels cannot run
     (instead of at the first decode step): the int8 GEMMs need K and N multiples of 16, the int8
-    KV cache's decode attention head_dim 64 or 128."""
+    KV cache's decode attention head_dim 64 or 128 (the float cache runs attention in PyTorch:
+    any even head_dim)."""
+    if args.head_dim % 2:
+        raise ValueError(f"qops.llama.quantize: RoPE needs an even head_dim, got {args.head_dim}")
     if qcfg.weights:
         sizes = {
             "hidden_size": args.hidden_size,
