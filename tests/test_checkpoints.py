@@ -11,7 +11,7 @@ import torch
 import qops
 from qops.llama import QuantConfig
 from qops.llama.config import LlamaArgs
-from qops.llama.quantize import quantize_state_dict
+from qops.llama.quantize import calibrate, quantize_state_dict
 from qops.testing import random_llama_state_dict
 
 ARGS = LlamaArgs(
@@ -149,3 +149,27 @@ def test_float_cache_takes_other_head_dims_but_rope_needs_them_even():
     a = LlamaArgs(**{**ARGS.to_dict(), "head_dim": 33})
     with pytest.raises(ValueError, match="even head_dim"):
         quantize_state_dict(random_llama_state_dict(a), a, FP16, dtype=torch.float32)
+
+
+# ---- 4. calibration tokens the config does not use -----------------------------------------------
+def test_unused_calibration_tokens_warn_and_name_the_options():
+    hf = _hf().half()
+    ids = torch.randint(0, 96, (256,), generator=torch.Generator().manual_seed(0))
+    with pytest.warns(UserWarning, match=r"calibration_tokens are ignored.*smoothquant=True.*activations='static'"):
+        qops.llama.quantize(hf, ids, progress=False)  # the default: W8A8 + KV8, dynamic scales
+    sd = random_llama_state_dict(ARGS)
+    with pytest.warns(UserWarning, match="kv_scales='static'"):
+        quantize_state_dict(sd, ARGS, FP16, calibration_tokens=ids, dtype=torch.float32)
+    stats = calibrate(sd, ARGS, ids, seq_len=64, progress=False)
+    with pytest.warns(UserWarning, match="precomputed stats"):
+        quantize_state_dict(
+            sd, ARGS, QuantConfig(smoothquant=True, kv_cache="fp16"), calibration_tokens=ids, stats=stats
+        )
+
+
+def test_used_calibration_tokens_do_not_warn(recwarn):
+    hf = _hf().half()
+    ids = torch.randint(0, 96, (256,), generator=torch.Generator().manual_seed(0))
+    qops.llama.quantize(hf, ids, smoothquant=True, calib_seq_len=64, progress=False)
+    qops.llama.quantize(hf, progress=False)
+    assert not [w for w in recwarn if "calibration_tokens" in str(w.message)]

@@ -1,7 +1,8 @@
 """qops.llama: a W8A8 + int8-KV Llama built from the qops ops by layer replacement.
 
     from qops.llama import quantize, generate
-    qmodel = quantize(hf_llama, calibration_tokens)           # W8A8 + int8 KV (dynamic scales)
+    qmodel = quantize(hf_llama)                               # W8A8 + int8 KV (dynamic scales)
+    qmodel = quantize(hf_llama, calibration_tokens, smoothquant=True)  # + SmoothQuant (calibrated)
     out = generate(qmodel, [prompt_ids], max_new_tokens=64)
 
 ``quantize`` turns a Hugging Face ``LlamaForCausalLM`` into a ``QuantizedLlamaForCausalLM`` whose

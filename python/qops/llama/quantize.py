@@ -16,6 +16,7 @@ the query heads of one kv head: it is computed from the group's maxima). See doc
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 from typing import cast
 
@@ -277,6 +278,21 @@ def apply_smoothing(sd: dict, args: LlamaArgs, stats: dict, alpha: float, target
 
 
 # ---- the entry points ---------------------------------------------------------------------------
+def _unused_calibration(qcfg: QuantConfig, calibration_tokens, stats) -> str | None:
+    """Why ``calibration_tokens`` go unused (``None``: they are used, or none were given)."""
+    if calibration_tokens is None:
+        return None
+    if not qcfg.needs_calibration:
+        return (
+            f"qops.llama.quantize: calibration_tokens are ignored: {qcfg.label()} has dynamic scales "
+            f"and no SmoothQuant. The options that use them: smoothquant=True (with weights=True), "
+            f"activations='static' (with weights=True), kv_scales='static' (with kv_cache='int8')"
+        )
+    if stats is not None:
+        return "qops.llama.quantize: calibration_tokens are ignored: precomputed stats were given"
+    return None
+
+
 def check_supported(args: LlamaArgs, qcfg: QuantConfig) -> None:
     """Raise at quantize time, with the reason, for a model the quantized kernels cannot run
     (instead of at the first decode step): the int8 GEMMs need K and N multiples of 16, the int8
@@ -325,7 +341,9 @@ def quantize(
     Args:
         model: a ``transformers.LlamaForCausalLM`` (fp16, bf16 or fp32) on any device.
         calibration_tokens: int token ids ``[N]`` or ``[B, S]``; needed for SmoothQuant and for
-            static scales (activations or KV), unused otherwise.
+            static scales (activations or KV). Given to a config that uses none of them (the
+            default: dynamic scales, no SmoothQuant), or beside ``stats``, they are ignored with
+            a ``UserWarning`` that names the options that would use them.
         config: a ``QuantConfig`` (default: W8A8 with dynamic per-token activations and the int8
             KV cache with dynamic scales); keyword ``overrides`` replace its fields, e.g.
             ``quantize(m, toks, smoothquant=True, smooth_alpha=0.8)``.
@@ -342,6 +360,10 @@ def quantize(
     if overrides:
         qcfg = dataclasses.replace(qcfg, **overrides)
     sd, args, inv_freq, scaling = hf_parts(model)
+    unused = _unused_calibration(qcfg, calibration_tokens, stats)
+    if unused:
+        warnings.warn(unused, UserWarning, stacklevel=2)
+        calibration_tokens = None  # warned once, here
     return quantize_state_dict(
         sd,
         args,
@@ -374,7 +396,10 @@ def quantize_state_dict(
     attention_scaling: float = 1.0,
 ) -> QuantizedLlamaForCausalLM:
     """``quantize`` from float weights with Hugging Face names and a ``LlamaArgs`` (no
-    transformers needed). Arguments as ``quantize``'s."""
+    transformers needed). Arguments as ``quantize``'s (unused ``calibration_tokens`` warn)."""
+    unused = _unused_calibration(qcfg, calibration_tokens, stats)
+    if unused:
+        warnings.warn(unused, UserWarning, stacklevel=2)
     mdtype = sd["model.embed_tokens.weight"].dtype
     if dtype is None:
         dtype = mdtype if mdtype in (torch.float16, torch.bfloat16) else torch.float16
