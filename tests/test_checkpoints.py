@@ -5,6 +5,9 @@ fix. CPU only."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -173,3 +176,156 @@ def test_used_calibration_tokens_do_not_warn(recwarn):
     qops.llama.quantize(hf, ids, smoothquant=True, calib_seq_len=64, progress=False)
     qops.llama.quantize(hf, progress=False)
     assert not [w for w in recwarn if "calibration_tokens" in str(w.message)]
+
+
+# ---- 3. the GGUF loader and the tokenizer cache --------------------------------------------------
+class _Field:
+    def __init__(self, value) -> None:
+        self.value = value
+
+    def contents(self):
+        return self.value
+
+
+class _Tensor:
+    def __init__(self, name: str, shape_out_in: tuple[int, ...]) -> None:
+        import numpy as np
+        from gguf import GGMLQuantizationType
+
+        self.name = name
+        self.shape = np.array(list(reversed(shape_out_in)))  # GGUF order: ne0 (the inner dim) first
+        g = np.random.default_rng(len(name))
+        self.data = g.standard_normal(shape_out_in).astype(np.float32)
+        self.tensor_type = GGMLQuantizationType.F32
+
+
+class _Reader:
+    """A tiny llama GGUF as ``gguf.GGUFReader`` shows it (fields with ``contents()``, tensors)."""
+
+    def __init__(self, extra_fields: dict | None = None, extra_tensors=(), drop=()) -> None:
+        h, i, v, heads = 64, 128, 96, 2
+        fields = {
+            "llama.embedding_length": h,
+            "llama.attention.head_count": heads,
+            "llama.attention.head_count_kv": 1,
+            "llama.feed_forward_length": i,
+            "llama.block_count": 1,
+            "llama.attention.layer_norm_rms_epsilon": 1e-5,
+            "llama.rope.freq_base": 10000.0,
+            "llama.rope.dimension_count": h // heads,
+            "llama.context_length": 256,
+            "llama.vocab_size": v,
+            "tokenizer.ggml.bos_token_id": 1,
+            "tokenizer.ggml.eos_token_id": 2,
+        }
+        fields.update(extra_fields or {})
+        self.fields = {k: _Field(x) for k, x in fields.items() if k not in drop}
+        d = h // heads
+        shapes = {
+            "token_embd.weight": (v, h),
+            "output_norm.weight": (h,),
+            "blk.0.attn_q.weight": (heads * d, h),
+            "blk.0.attn_k.weight": (d, h),
+            "blk.0.attn_v.weight": (d, h),
+            "blk.0.attn_output.weight": (h, heads * d),
+            "blk.0.ffn_gate.weight": (i, h),
+            "blk.0.ffn_up.weight": (i, h),
+            "blk.0.ffn_down.weight": (h, i),
+            "blk.0.attn_norm.weight": (h,),
+            "blk.0.ffn_norm.weight": (h,),
+            **dict(extra_tensors),
+        }
+        self.tensors = [_Tensor(n, s) for n, s in shapes.items() if n not in drop]
+
+
+@pytest.fixture
+def fake_gguf(monkeypatch):
+    """``reader -> smollm2.read_state_dict`` result, with ``gguf.GGUFReader`` returning ``reader``."""
+    pytest.importorskip("transformers")
+    gguf = pytest.importorskip("gguf")
+    from qops.llama import smollm2
+
+    def read(reader):
+        monkeypatch.setattr(gguf, "GGUFReader", lambda path: reader)
+        return smollm2.read_state_dict("fake.gguf", progress=False)
+
+    return read
+
+
+def test_gguf_loader_reads_a_plain_llama(fake_gguf):
+    sd, cfg = fake_gguf(_Reader())
+    assert cfg.vocab_size == 96 and cfg.head_dim == 32 and cfg.tie_word_embeddings
+    assert sd["model.layers.0.mlp.down_proj.weight"].shape == (64, 128)
+    assert sd["lm_head.weight"] is sd["model.embed_tokens.weight"]
+
+
+@pytest.mark.parametrize("tensor", ["rope_freqs.weight", "blk.0.attn_q.bias", "blk.0.attn_q_norm.weight"])
+def test_gguf_loader_refuses_unmapped_tensors(fake_gguf, tensor):
+    from qops.llama.smollm2 import UnsupportedGGUF
+
+    with pytest.raises(UnsupportedGGUF, match="does not map.*" + re.escape(tensor)):
+        fake_gguf(_Reader(extra_tensors={tensor: (16,)}))
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0},
+        {"llama.rope.scaling.type": "yarn", "llama.rope.scaling.original_context_length": 128},
+        {"llama.rope.dimension_count": 16},
+    ],
+)
+def test_gguf_loader_refuses_rope_scaling_metadata(fake_gguf, fields):
+    from qops.llama.smollm2 import UnsupportedGGUF
+
+    with pytest.raises(UnsupportedGGUF, match="RoPE scaling|rope.dimension_count"):
+        fake_gguf(_Reader(extra_fields=fields))
+
+
+def test_gguf_loader_ignores_neutral_rope_scaling(fake_gguf):
+    fake_gguf(_Reader(extra_fields={"llama.rope.scaling.type": "none", "llama.rope.scaling.factor": 1.0}))
+
+
+def test_gguf_vocab_size_from_the_embedding_or_a_clear_error():
+    pytest.importorskip("transformers")
+    from qops.llama.smollm2 import UnsupportedGGUF, llama_config_from_gguf
+
+    assert llama_config_from_gguf(_Reader(drop={"llama.vocab_size"})).vocab_size == 96
+    with pytest.raises(UnsupportedGGUF, match="vocabulary size"):
+        llama_config_from_gguf(_Reader(drop={"llama.vocab_size", "token_embd.weight"}))
+
+
+def test_load_tokenizer_caches_per_gguf(monkeypatch, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from qops import envs
+    from qops.llama import smollm2
+
+    conversions = []
+
+    class FakeTok:
+        def __init__(self, source: str) -> None:
+            self.source = source
+
+        def save_pretrained(self, d: str) -> None:
+            Path(d).mkdir(parents=True, exist_ok=True)
+            (Path(d) / "tokenizer.json").write_text(self.source)
+
+    def from_pretrained(d, gguf_file=None):
+        if gguf_file is not None:
+            conversions.append(gguf_file)
+            return FakeTok(gguf_file)
+        return FakeTok((Path(d) / "tokenizer.json").read_text())
+
+    a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    a.write_bytes(b"a")
+    b.write_bytes(b"bb")
+    monkeypatch.setattr(envs, "CACHE", tmp_path / "cache")
+    monkeypatch.setattr(smollm2, "data_dir", lambda: None)
+    monkeypatch.setattr(smollm2, "gguf_path", lambda: a)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", from_pretrained)
+    assert smollm2.load_tokenizer(path=a).source == "a.gguf"
+    assert smollm2.load_tokenizer(path=b).source == "b.gguf"  # was: a's cached tokenizer
+    assert smollm2.load_tokenizer(path=b).source == "b.gguf"
+    assert smollm2.load_tokenizer().source == "a.gguf"  # the default GGUF shares a's cache
+    assert conversions == ["a.gguf", "b.gguf"]
+    assert smollm2.tokenizer_cache_dir(b) != smollm2.tokenizer_cache_dir(a) == smollm2.tokenizer_cache_dir()

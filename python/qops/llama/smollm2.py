@@ -17,6 +17,7 @@ Install (see README)::
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import sys
@@ -142,25 +143,65 @@ def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, d2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
+class UnsupportedGGUF(ValueError):
+    """The GGUF holds something this loader does not convert (an unmapped tensor, RoPE scaling
+    metadata): loading it anyway would give a model that silently differs from the file's."""
+
+
+def _check_rope_metadata(reader, head_dim: int) -> None:
+    """Raise ``UnsupportedGGUF`` for RoPE metadata the loader would drop: ``llama.rope.scaling.*``
+    (other than ``type: none``) and a partial rotary ``llama.rope.dimension_count``."""
+    scaling = {k: _field(reader, k) for k in reader.fields if k.startswith("llama.rope.scaling.")}
+    if scaling.get("llama.rope.scaling.type") in (None, "none"):
+        scaling.pop("llama.rope.scaling.type", None)
+        scaling = {k: v for k, v in scaling.items() if not (k.endswith(".factor") and float(v) in (0.0, 1.0))}
+    if scaling:
+        raise UnsupportedGGUF(
+            f"qops.llama.smollm2: the GGUF has RoPE scaling metadata {scaling}, which this loader does "
+            f"not convert (it builds an unscaled Llama); convert the model with its Hugging Face config"
+        )
+    if "llama.rope.dimension_count" in reader.fields:
+        dims = int(_field(reader, "llama.rope.dimension_count"))
+        if dims != head_dim:
+            raise UnsupportedGGUF(
+                f"qops.llama.smollm2: the GGUF's llama.rope.dimension_count is {dims}, head_dim is "
+                f"{head_dim}: partial rotary embeddings are not supported"
+            )
+
+
 def llama_config_from_gguf(reader):
-    """A ``transformers.LlamaConfig`` from the GGUF metadata."""
+    """A ``transformers.LlamaConfig`` from the GGUF metadata. ``vocab_size`` from
+    ``llama.vocab_size``, else the token-embedding tensor's rows, else the tokenizer's token list
+    (``UnsupportedGGUF`` when none is there); RoPE scaling metadata raises ``UnsupportedGGUF``."""
     from transformers import LlamaConfig
 
     def f(k):
         return _field(reader, "llama." + k)
 
     hidden, heads = int(f("embedding_length")), int(f("attention.head_count"))
-    vocab = int(f("vocab_size")) if "llama.vocab_size" in reader.fields else None
+    head_dim = int(f("attention.key_length")) if "llama.attention.key_length" in reader.fields else hidden // heads
+    _check_rope_metadata(reader, head_dim)
     names = {t.name for t in reader.tensors}
+    vocab: int | None = int(f("vocab_size")) if "llama.vocab_size" in reader.fields else None
+    if vocab is None:
+        embd = [t for t in reader.tensors if t.name == "token_embd.weight"]
+        if embd:  # GGUF shapes are [ne0 = hidden, ne1 = vocab]
+            vocab = int(embd[0].shape[-1])
+        elif "tokenizer.ggml.tokens" in reader.fields:
+            vocab = len(_field(reader, "tokenizer.ggml.tokens"))
+        else:
+            raise UnsupportedGGUF(
+                "qops.llama.smollm2: the GGUF has no llama.vocab_size, no token_embd.weight and no "
+                "tokenizer.ggml.tokens: cannot tell the vocabulary size"
+            )
     return LlamaConfig(
-        # None when the GGUF has no llama.vocab_size (LlamaConfig's annotation says int)
-        vocab_size=vocab,  # type: ignore[arg-type]
+        vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=int(f("feed_forward_length")),
         num_hidden_layers=int(f("block_count")),
         num_attention_heads=heads,
         num_key_value_heads=int(f("attention.head_count_kv")),
-        head_dim=hidden // heads,
+        head_dim=head_dim,
         rms_norm_eps=float(f("attention.layer_norm_rms_epsilon")),
         # transformers 5 takes the legacy rope_theta keyword (into rope_parameters) though its
         # signature does not declare it
@@ -177,7 +218,9 @@ def llama_config_from_gguf(reader):
 
 def read_state_dict(path: str | os.PathLike, progress: bool = True):
     """Dequantize every tensor of a llama GGUF into a Hugging Face ``state_dict`` (float32)
-    and return ``(state_dict, config)``."""
+    and return ``(state_dict, config)``. Raises ``UnsupportedGGUF`` (a ``ValueError``) for a
+    tensor it does not map (``rope_freqs.weight``, biases, ...) or RoPE scaling metadata,
+    instead of dropping them."""
     _require("gguf", "pip install gguf")
     import gguf
     from gguf.quants import dequantize
@@ -191,6 +234,24 @@ def read_state_dict(path: str | os.PathLike, progress: bool = True):
         it = tqdm(tensors, desc="dequantizing GGUF", disable=not progress, leave=False)
     except ImportError:
         it = tensors
+    top = {"token_embd.weight", "output_norm.weight", "output.weight"}
+    unmapped = [
+        t.name
+        for t in tensors
+        if t.name not in top
+        and not (
+            t.name.startswith("blk.")
+            and len(t.name.split(".")) == 4
+            and t.name.split(".")[2] in _LAYER_NAMES
+            and t.name.endswith(".weight")
+        )
+    ]
+    if unmapped:
+        raise UnsupportedGGUF(
+            f"qops.llama.smollm2: the GGUF has tensors this loader does not map to a Llama: "
+            f"{unmapped[:6]}{' ...' if len(unmapped) > 6 else ''} (e.g. rope_freqs.weight: llama3 RoPE "
+            f"frequency factors; *.bias: biases); dropping them would change the model"
+        )
     sd = {}
     for t in it:
         w = torch.from_numpy(dequantize(t.data, t.tensor_type).copy()).float()
@@ -209,8 +270,6 @@ def read_state_dict(path: str | os.PathLike, progress: bool = True):
                 w = unpermute_qk(w, cfg.num_attention_heads)
             elif kind == "attn_k":
                 w = unpermute_qk(w, cfg.num_key_value_heads)
-            if kind not in _LAYER_NAMES:
-                continue
             sd[f"model.layers.{i}.{_LAYER_NAMES[kind]}.weight"] = w
     if cfg.tie_word_embeddings:
         sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
@@ -241,19 +300,40 @@ def load_model(
     return model.to(device=device, dtype=dtype).eval()  # type: ignore[call-arg]
 
 
-def tokenizer_cache_dir() -> Path:
-    return envs.CACHE / "smollm2-tokenizer"
+def _is_default_gguf(path: str | os.PathLike | None) -> bool:
+    if path is None:
+        return True
+    try:
+        return Path(path).resolve() == gguf_path().resolve()
+    except (MissingDependency, FileNotFoundError, OSError):
+        return False
+
+
+def tokenizer_cache_dir(path: str | os.PathLike | None = None) -> Path:
+    """Where the tokenizer converted from a GGUF is cached: ``smollm2-tokenizer`` for the SmolLM2
+    GGUF (``path`` None or ``gguf_path()``), else ``smollm2-tokenizer-<key>``, the key a hash of
+    the file's resolved path, size and modification time (another file, another cache)."""
+    base = envs.CACHE / "smollm2-tokenizer"
+    if _is_default_gguf(path):
+        return base
+    assert path is not None
+    p = Path(path).resolve()
+    st = p.stat() if p.exists() else None
+    ident = f"{p}\0{st.st_size if st else -1}\0{st.st_mtime_ns if st else -1}"
+    return base.with_name(f"{base.name}-{hashlib.sha256(ident.encode()).hexdigest()[:16]}")
 
 
 def load_tokenizer(path: str | os.PathLike | None = None, cache: bool = True):
-    """The SmolLM2 tokenizer from the GGUF (converted once, ~5 s, then cached as
-    ``tokenizer.json`` under ``$QOPS_CACHE`` or ``~/.cache/qops``)."""
+    """The tokenizer of the GGUF at ``path`` (default: the SmolLM2 GGUF), converted once (~5 s),
+    then cached as ``tokenizer.json`` under ``$QOPS_CACHE`` or ``~/.cache/qops`` in a folder
+    keyed by the GGUF (``tokenizer_cache_dir(path)``); the offline bundle's tokenizer
+    (``$QOPS_LLAMA_DATA``) stands for the SmolLM2 GGUF only."""
     _require("transformers", "pip install transformers")
     from transformers import AutoTokenizer
 
-    cdir = tokenizer_cache_dir()
+    cdir = tokenizer_cache_dir(path)
     ddir = data_dir()
-    if ddir is not None and (ddir / "tokenizer" / "tokenizer.json").is_file():
+    if _is_default_gguf(path) and ddir is not None and (ddir / "tokenizer" / "tokenizer.json").is_file():
         cdir = ddir / "tokenizer"
     if cache and (cdir / "tokenizer.json").is_file():
         try:
