@@ -38,3 +38,77 @@ def test_no_pybind11():
         requires = re.search(r"^requires = \[(.*)\]$", pyproject, re.M).group(1).split(",")  # type: ignore[union-attr]
     assert not [r for r in requires if "pybind11" in r], requires
     assert "pybind11" not in readme_block("install")
+
+
+# ---- the benchmarks on a machine without CUDA --------------------------------------------------------
+# Runs each benchmark as `python -m bench.X` would (runpy, run_name="__main__"), all in one child
+# process so that torch and qops are imported once; reports each exit status and what it wrote to
+# stderr (an escaping exception is printed there as the interpreter would, traceback included).
+_BENCH_DRIVER = r"""
+import contextlib, importlib, io, json, runpy, sys, traceback, warnings
+warnings.simplefilter("ignore", RuntimeWarning)  # runpy: "found in sys.modules" for imported benches
+runs, results = json.loads(sys.argv[1]), {}
+for name in runs:
+    importlib.import_module(name)  # importing a benchmark needs no CUDA
+for name, argv in runs.items():
+    err = io.StringIO()
+    sys.argv = [name, *argv]
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            runpy.run_module(name, run_name="__main__", alter_sys=True)
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            if e.code is not None and not isinstance(e.code, int):
+                print(e.code, file=sys.stderr)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+    results[name] = {"code": code, "stderr": err.getvalue()}
+print(json.dumps(results))
+"""
+
+# Benchmarks that also run on the CPU (the Llama's reference ops) need CUDA only when asked for it.
+_BENCH_CUDA_ARGS = {"bench.bench_llama_decode": ["--device", "cuda"], "bench.eval_quality": ["--device", "cuda"]}
+
+
+def bench_modules() -> list[str]:
+    names = sorted(f"bench.{p.stem}" for p in (ROOT / "bench").glob("bench_*.py"))
+    return [*names, "bench.eval_quality"]
+
+
+def test_benchmarks_without_cuda_exit_with_one_line(tmp_path):
+    """Every benchmark (and ``python -m qops.llama --device cuda``), on a machine where torch sees no
+    GPU: status 1 and one line on stderr saying it needs a CUDA device, never a traceback."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    names = bench_modules()
+    assert len(names) >= 8, names
+    for name in names:  # every benchmark has a main (what `python -m` runs)
+        assert re.search(r"^def main\(", (ROOT / (name.replace(".", "/") + ".py")).read_text(), re.M) or (
+            name == "bench.eval_quality"
+        ), name
+    runs = {n: ["--out", str(tmp_path), *_BENCH_CUDA_ARGS.get(n, [])] for n in names}
+    runs["qops.llama"] = ["--device", "cuda"]  # the demo, also a CPU program, asked for CUDA
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="ignore")
+    proc = subprocess.run(
+        [sys.executable, "-c", _BENCH_DRIVER, json.dumps(runs)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    bad = {}
+    for name in runs:
+        r = results[name]
+        err = r["stderr"].strip()
+        if r["code"] == 0 or "Traceback" in err or "needs a CUDA device" not in err or len(err.splitlines()) != 1:
+            bad[name] = r
+    assert not bad, json.dumps(bad, indent=1)[-6000:]
+    assert not list(tmp_path.iterdir()), "a benchmark wrote output before finding it has no GPU"
