@@ -112,3 +112,55 @@ def test_benchmarks_without_cuda_exit_with_one_line(tmp_path):
             bad[name] = r
     assert not bad, json.dumps(bad, indent=1)[-6000:]
     assert not list(tmp_path.iterdir()), "a benchmark wrote output before finding it has no GPU"
+
+
+# ---- the build's torch is the running torch ------------------------------------------------------------
+def test_build_records_its_torch():
+    """The build wrote the torch it compiled against beside qops._C: the torch running these tests."""
+    import torch
+
+    from qops._torch_check import built_torch_version, release
+
+    built = built_torch_version()
+    assert built is not None, "no qops/_build_info.py next to qops._C: CMakeLists.txt must install it"
+    assert release(built) == release(torch.__version__), (built, torch.__version__)
+
+
+def test_import_check_refuses_another_torch_release(monkeypatch):
+    """``import qops`` raises a clear ImportError when torch's major.minor is not the build's; a
+    different patch release or local tag (``+cu130``) of the same minor is accepted."""
+    import pytest
+    import torch
+
+    from qops._torch_check import built_torch_version, check_torch, release
+
+    built = built_torch_version()
+    assert built is not None
+    major, minor = release(built)
+    for other in (f"{major}.{minor + 1}.0", f"{major}.{minor - 1}.3+cu121", f"{major + 1}.0.0"):
+        monkeypatch.setattr(torch, "__version__", other)
+        with pytest.raises(ImportError, match=rf"built against torch {re.escape(built)}, but torch {re.escape(other)}"):
+            check_torch()
+    for same in (f"{major}.{minor}.9", f"{major}.{minor}.0+cu130", f"{major}.{minor}.0a0+git1234"):
+        monkeypatch.setattr(torch, "__version__", same)
+        check_torch()
+
+
+def test_import_qops_under_another_torch_fails_cleanly():
+    """The whole import, in a fresh interpreter whose torch claims another release: an ImportError
+    naming both versions, raised before qops._C is loaded."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch\n"
+        "torch.__version__ = '1.99.0'\n"
+        "try:\n"
+        "    import qops\n"
+        "except ImportError as e:\n"
+        "    print('ImportError:', e); print('C loaded:', 'qops._C' in sys.modules); sys.exit(3)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "built against torch" in proc.stdout and "1.99.0" in proc.stdout, proc.stdout
+    assert "C loaded: False" in proc.stdout
