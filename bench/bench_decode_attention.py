@@ -46,7 +46,16 @@ import torch.nn.functional as F
 import qops
 from bench.shapes import ATTENTION_MODELS
 from qops.attention import MERGES
-from qops.testing import bar_plot, bench_us, copy_bandwidth_gbps, gbps, l2_rotation_sets, print_table, write_csv
+from qops.testing import (
+    bar_plot,
+    bench_us,
+    copy_bandwidth_gbps,
+    gbps,
+    l2_rotation_sets,
+    print_table,
+    require_cuda,
+    write_csv,
+)
 
 MODELS = ATTENTION_MODELS  # name: (HQ, HKV, D)
 DTYPE = torch.bfloat16
@@ -285,9 +294,7 @@ def main():
         "(default: auto, the glue's rule)",
     )
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("bench.bench_decode_attention: needs a CUDA device (it times the CUDA kernel)", file=sys.stderr)
-        return 1
+    require_cuda("bench.bench_decode_attention")
     torch.backends.cuda.matmul.allow_tf32 = False
     copy_bw = copy_bandwidth_gbps()
     print(

@@ -29,7 +29,16 @@ import torch.nn.functional as F
 import qops
 from bench.bench_decode_attention import int8_bytes, int8_problem
 from bench.shapes import ATTENTION_MODELS
-from qops.testing import bar_plot, bench_us, copy_bandwidth_gbps, gbps, l2_rotation_sets, print_table, write_csv
+from qops.testing import (
+    bar_plot,
+    bench_us,
+    copy_bandwidth_gbps,
+    gbps,
+    l2_rotation_sets,
+    print_table,
+    require_cuda,
+    write_csv,
+)
 
 DTYPE = torch.bfloat16
 BLOCK = 16
@@ -209,9 +218,7 @@ def main():
     ap.add_argument("--no-fbgemm", action="store_true")
     ap.add_argument("--sweep", default="", help="also time these forced split counts, e.g. 1,2,4,8,16")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("bench.bench_int4_decode: needs a CUDA device (it times the CUDA kernels)", file=sys.stderr)
-        return 1
+    require_cuda("bench.bench_int4_decode")
     fbgemm = not args.no_fbgemm and load_fbgemm()
     copy_bw = copy_bandwidth_gbps()
     print(

@@ -24,7 +24,16 @@ import torch
 
 import qops
 from bench.shapes import MODELS
-from qops.testing import bar_plot, bench_us, copy_bandwidth_gbps, gbps, l2_rotation_sets, print_table, write_csv
+from qops.testing import (
+    bar_plot,
+    bench_us,
+    copy_bandwidth_gbps,
+    gbps,
+    l2_rotation_sets,
+    print_table,
+    require_cuda,
+    write_csv,
+)
 
 DTYPE = torch.bfloat16
 # label: (H_kv, D), e.g. "llama3-8b (8 kv heads)": (8, 128), from bench/shapes.py.
@@ -62,9 +71,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="bench/out")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("bench.bench_kv_cache: needs a CUDA device (it times the CUDA kernel)", file=sys.stderr)
-        return 1
+    require_cuda("bench.bench_kv_cache")
     copy_bw = copy_bandwidth_gbps()
     print(f"device: {torch.cuda.get_device_name()}, copy bandwidth {copy_bw:.0f} GB/s (read + write)")
     rows = []

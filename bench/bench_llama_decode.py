@@ -36,6 +36,7 @@ from bench.shapes import MODELS
 from qops.llama import QuantConfig, quantize
 from qops.llama.eval import format_table
 from qops.llama.timing import time_hf_decode, time_qops_decode
+from qops.testing import require_cuda
 
 # The models this benchmark builds: LlamaConfig keyword arguments (bench/shapes.py).
 SHAPES = {name: MODELS[name].hf_config() for name in ("llama2-7b", "smollm2", "tiny")}
@@ -304,6 +305,8 @@ def main(argv=None) -> int:
         p.error(f"--baselines: {bad}: expected attn/cache or attn/static/backend (compiling needs the static cache)")
     a.variants = [x for x in a.variants.split(",") if x]
     dev = torch.device(a.device)
+    if dev.type == "cuda":
+        require_cuda("bench.bench_llama_decode", "for --device cuda; --device cpu runs the reference ops")
     dtype = torch.float16
     if dev.type == "cuda":
         missing = [

@@ -33,7 +33,16 @@ import torch
 import qops
 from bench.shapes import NORM_ACT_MODELS
 from qops.quantization import absmax_scale, quantize_int8
-from qops.testing import bar_plot, bench_us, copy_bandwidth_gbps, gbps, l2_rotation_sets, print_table, write_csv
+from qops.testing import (
+    bar_plot,
+    bench_us,
+    copy_bandwidth_gbps,
+    gbps,
+    l2_rotation_sets,
+    print_table,
+    require_cuda,
+    write_csv,
+)
 
 TOKENS = [1, 16, 128, 4096, 16384]
 MODELS = NORM_ACT_MODELS  # name: (hidden H, intermediate I)
@@ -318,8 +327,7 @@ def main() -> None:
     p.add_argument("--no-variants", action="store_true", help="skip the rowres / pipelined norm comparison")
     p.add_argument("--variants-only", action="store_true", help="run only the rowres / pipelined norm comparison")
     args = p.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("bench.bench_norm_act: needs a CUDA device (it times the CUDA kernels)")
+    require_cuda("bench.bench_norm_act")
     os.makedirs(args.out, exist_ok=True)
     dtype = getattr(torch, args.dtype)
     copy = copy_bandwidth_gbps()
@@ -349,4 +357,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

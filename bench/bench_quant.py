@@ -18,7 +18,16 @@ import torch
 
 import qops
 from qops.quantization import quantize_int8, quantize_per_token
-from qops.testing import bar_plot, bench_us, copy_bandwidth_gbps, gbps, l2_rotation_sets, print_table, write_csv
+from qops.testing import (
+    bar_plot,
+    bench_us,
+    copy_bandwidth_gbps,
+    gbps,
+    l2_rotation_sets,
+    print_table,
+    require_cuda,
+    write_csv,
+)
 
 TOKENS = [1, 16, 128, 4096, 16384]
 HIDDEN = [4096, 8192, 14336]  # a sweep of row lengths (the Llama hidden and intermediate sizes)
@@ -29,8 +38,7 @@ def main() -> None:
     p.add_argument("--out", default="bench/out")
     p.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16"])
     args = p.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("bench.bench_quant: needs a CUDA device (it times the CUDA kernels)")
+    require_cuda("bench.bench_quant")
     os.makedirs(args.out, exist_ok=True)
     dtype = getattr(torch, args.dtype)
     copy = copy_bandwidth_gbps()
@@ -92,4 +100,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -41,6 +41,7 @@ from qops.testing import (
     l2_rotation_sets,
     line_grid_plot,
     print_table,
+    require_cuda,
     write_csv,
 )
 
@@ -274,8 +275,7 @@ def main() -> None:
         if unknown:
             p.error(f"unknown layers {unknown}; known: {sorted(known)}")
         layers = [l for l in GEMM_LAYERS if l[0] in wanted]
-    if not torch.cuda.is_available():
-        sys.exit("bench.bench_w8a8_gemm: needs a CUDA device (it times the CUDA kernels)")
+    require_cuda("bench.bench_w8a8_gemm")
     os.makedirs(args.out, exist_ok=True)
     tokens = QUICK_TOKENS if args.quick else TOKENS
     if args.tokens:
@@ -399,4 +399,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -130,6 +130,52 @@ def test_float_tree_matches_hf(sd, ids):
     assert q_hf.qcfg.label() == "W8A8+KV8"
 
 
+# ---- the benchmark's Hugging Face anchor (qops.llama.timing) -----------------------------------
+@needs_transformers
+@pytest.mark.parametrize("fill,cache", [("random", "dynamic"), ("prefill", "dynamic"), ("prefill", "static")])
+def test_hf_decode_timing_uses_the_current_cache_keyword(fill, cache):
+    """``time_hf_decode`` passes the cache as ``cache=`` where transformers has it: no
+    FutureWarning (or transformers log line) about the deprecated ``past_key_values``."""
+    import logging
+    import warnings
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from qops.llama.timing import time_hf_decode
+
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(cfg).eval()
+    logged: list[str] = []
+
+    class Catch(logging.Handler):
+        def emit(self, record):
+            logged.append(record.getMessage())
+
+    handler = Catch()
+    logging.getLogger("transformers").addHandler(handler)
+    once = getattr(logging.Logger, "warning_once", None)  # transformers' lru_cache'd warn-once
+    if once is not None and hasattr(once, "cache_clear"):
+        once.cache_clear()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            t = time_hf_decode(hf, 2, 8, steps=2, warmup=1, fill=fill, cache=cache, attn="eager", prefill_chunk=4)
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    assert t.steps == 2 and t.step_ms_median > 0
+    msgs = [str(w.message) for w in caught] + logged
+    assert not [m for m in msgs if "past_key_values" in m], msgs
+
+
 # ---- end to end through the reference ops: quantized vs float ----------------------------------
 # (variant, max relative L2 error of the logits, max KL, min top-1 agreement)
 TOLERANCES = [

@@ -17,6 +17,11 @@ from typing import Any
 
 import torch  # noqa: F401  (loads libtorch before our extension)
 
+# Before loading _C, which works only with the torch (major.minor) it was built against: raises a
+# clear ImportError under another torch.
+from . import _torch_check  # noqa: F401
+
+# isort: split
 # _C: the op schemas, and the CUDA kernels when built with CUDA. A compiled extension without a
 # stub, so mypy cannot see it as a submodule of this package.
 from . import _C as _C  # type: ignore[attr-defined]

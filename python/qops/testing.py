@@ -1,5 +1,6 @@
 """Helpers shared by qops' tests and benchmarks (and by anyone testing or timing qops ops):
 
+- ``require_cuda``: the clean exit of a CUDA-only entry point on a machine without CUDA;
 - test helpers: outputs poisoned so that an unwritten element shows (``poison_``,
   ``poison_cuda_allocator``), the kernels a call launches (``cuda_kernel_names``), and the skip
   rule of the sm_90a GEMMs (``needs_w8a8_gemm``);
@@ -21,9 +22,19 @@ import csv
 import math
 import os
 import statistics
+import sys
 from collections.abc import Callable, Sequence
 
 import torch
+
+
+# ---- entry points ------------------------------------------------------------------------------
+def require_cuda(prog: str, why: str = "it times the CUDA kernels") -> None:
+    """Exit a command-line entry point (a benchmark) with one line on stderr and status 1 when torch
+    sees no CUDA device, instead of a traceback from the first CUDA allocation."""
+    if not torch.cuda.is_available():
+        print(f"{prog}: needs a CUDA device ({why}); torch {torch.__version__} sees none", file=sys.stderr)
+        raise SystemExit(1)
 
 
 # ---- test helpers -------------------------------------------------------------------------------

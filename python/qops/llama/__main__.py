@@ -16,6 +16,8 @@ import time
 
 import torch
 
+from ..testing import require_cuda
+
 
 def _parse(argv):
     p = argparse.ArgumentParser(prog="python -m qops.llama", description=__doc__.split("\n\n")[0])
@@ -49,6 +51,8 @@ def _parse(argv):
 
 def main(argv=None) -> int:
     a = _parse(argv)
+    if torch.device(a.device).type == "cuda":
+        require_cuda("python -m qops.llama", "for --device cuda; --device cpu runs the reference ops")
     from . import smollm2
     from .config import QuantConfig
     from .data import load_text, tokenize

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from ..testing import require_cuda
 from .config import QuantConfig
 
 
@@ -291,6 +292,8 @@ def main(argv=None) -> None:
 
     dev = torch.device(a.device)
     gpu = dev.type == "cuda"
+    if gpu:
+        require_cuda("qops.llama.eval", "for --device cuda; --device cpu runs the reference ops")
     tokens_n = a.tokens or (300_000 if gpu else 1024)
     seq_len = a.seq_len or (1024 if gpu else 256)
     bsz = a.batch_size or (8 if gpu else 2)

@@ -177,6 +177,13 @@ def _position_kwargs(model, pos: torch.Tensor) -> dict:
     return kw
 
 
+def _cache_kwarg(model) -> str:
+    """The forward keyword for the KV cache: ``cache`` where the installed transformers has it
+    (there ``past_key_values`` is deprecated with a FutureWarning, to be removed in 5.40), else the
+    older ``past_key_values``."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 @torch.no_grad()
 def time_hf_decode(
     model,
@@ -222,6 +229,7 @@ def time_hf_decode(
         d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         params = inspect.signature(model.forward).parameters
         keep = {k: 1 for k in ("logits_to_keep", "num_logits_to_keep") if k in params}
+        cache_kw = _cache_kwarg(model)
         if fill == "random":
             pos = torch.arange(context, device=dev)
             for layer in range(cfg.num_hidden_layers):
@@ -235,7 +243,7 @@ def time_hf_decode(
                 ids = torch.randint(0, vocab, (batch, n), device=dev, generator=g)
                 model(
                     input_ids=ids,
-                    past_key_values=kv,
+                    **{cache_kw: kv},
                     use_cache=True,
                     **_position_kwargs(model, torch.arange(s, s + n, device=dev)),
                     **keep,
@@ -252,7 +260,7 @@ def time_hf_decode(
             t0 = time.perf_counter()
             out = fwd(
                 input_ids=tok,
-                past_key_values=kv,
+                **{cache_kw: kv},
                 use_cache=True,
                 **_position_kwargs(model, torch.tensor([p], device=dev)),
             )
