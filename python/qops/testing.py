@@ -117,6 +117,12 @@ def random_llama_state_dict(args, seed: int = 0) -> dict:
         sd[p + "mlp.gate_proj.weight"] = lin(i, h)
         sd[p + "mlp.up_proj.weight"] = lin(i, h)
         sd[p + "mlp.down_proj.weight"] = lin(h, i)
+        if getattr(args, "qkv_bias", False):  # Qwen2
+            for name, n in (("q", args.num_heads), ("k", args.num_kv_heads), ("v", args.num_kv_heads)):
+                sd[p + f"self_attn.{name}_proj.bias"] = 0.5 * torch.randn(n * d, generator=g)
+        if getattr(args, "qk_norm", False):  # Qwen3
+            for name in ("q_norm", "k_norm"):
+                sd[p + f"self_attn.{name}.weight"] = 1 + 0.2 * torch.randn(d, generator=g)
     return sd
 
 

@@ -11,6 +11,10 @@ ACT_SCHEMES = ("dynamic", "static")
 KV_DTYPES = ("int8", "int4", "fp16")
 KV_GROUPS = (1, 4)
 _SQ_DEFAULT = ("qkv", "gate_up", "down")
+# the Hugging Face model types qops.llama runs (the Llama decoder and its close relatives)
+FAMILIES = ("llama", "mistral")
+QKV_BIAS_FAMILIES: tuple[str, ...] = ()  # q/k/v projections with biases (o and the MLP without)
+QK_NORM_FAMILIES: tuple[str, ...] = ()  # RMSNorm of each q and k head before RoPE
 
 
 @dataclass
@@ -30,10 +34,16 @@ class LlamaArgs:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    model_type: str = "llama"
+    qkv_bias: bool = False
+    qk_norm: bool = False
 
     @classmethod
     def from_hf(cls, cfg) -> LlamaArgs:
-        """From a ``transformers.LlamaConfig`` (transformers 4.x or 5.x)."""
+        """From a ``transformers.LlamaConfig`` (transformers 4.x or 5.x), or the config of another
+        family of the Llama architecture: ``MistralConfig``, ``Qwen2Config`` (q/k/v biases:
+        ``qkv_bias``), ``Qwen3Config`` (per-head RMSNorm of q and k: ``qk_norm``)."""
+        model_type = str(getattr(cfg, "model_type", None) or "llama")
         heads = cfg.num_attention_heads
         theta = getattr(cfg, "rope_theta", None)
         if theta is None:
@@ -52,6 +62,9 @@ class LlamaArgs:
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
             bos_token_id=getattr(cfg, "bos_token_id", None),
             eos_token_id=getattr(cfg, "eos_token_id", None),
+            model_type=model_type,
+            qkv_bias=model_type in QKV_BIAS_FAMILIES,
+            qk_norm=model_type in QK_NORM_FAMILIES,
         )
 
     def to_dict(self) -> dict:

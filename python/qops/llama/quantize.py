@@ -24,7 +24,7 @@ import torch
 
 from ..quantization import absmax_scale
 from .cache import HalfPagedKVCache
-from .config import LlamaArgs, QuantConfig
+from .config import FAMILIES, LlamaArgs, QuantConfig
 from .layers import DecoderLayer
 from .model import QuantizedLlamaForCausalLM
 
@@ -76,16 +76,45 @@ def check_float_weights(sd: dict, quantized_config=None) -> None:
         )
 
 
+def check_sliding_window(cfg) -> None:
+    """Raise ``NotImplementedError`` for a config whose sliding-window attention would apply
+    within its context (Mistral's ``sliding_window``; Qwen2/Qwen3 with ``use_sliding_window``):
+    qops attends to the whole context. A window of ``None``, turned off (``use_sliding_window``
+    false, or no ``"sliding_attention"`` in ``layer_types``) or at least
+    ``max_position_embeddings`` (it never drops a token) is full attention, and accepted."""
+    window = getattr(cfg, "sliding_window", None)
+    if window is None or getattr(cfg, "use_sliding_window", None) is False:
+        return
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return
+    context = getattr(cfg, "max_position_embeddings", None)
+    if context is not None and window >= context:
+        return
+    raise NotImplementedError(
+        f"qops.llama: sliding-window attention is not supported: {getattr(cfg, 'model_type', '?')} config "
+        f"has sliding_window={window} < max_position_embeddings={context} (qops attends to the whole "
+        f"context and would diverge past the window); set sliding_window=None (or >= the context) "
+        f"if the model is used within its window"
+    )
+
+
 # ---- Hugging Face model -> float weights --------------------------------------------------------
 def hf_parts(model):
-    """``(state_dict, LlamaArgs, inv_freq, attention_scaling)`` of a ``LlamaForCausalLM``."""
+    """``(state_dict, LlamaArgs, inv_freq, attention_scaling)`` of a ``LlamaForCausalLM`` (or a
+    ``MistralForCausalLM``: ``config.FAMILIES``)."""
     cfg = getattr(model, "config", None)
     if cfg is None or not hasattr(getattr(model, "model", None), "layers"):
         raise TypeError(f"qops.llama.quantize expects a transformers LlamaForCausalLM, got {type(model).__name__}")
-    if getattr(cfg, "model_type", "llama") != "llama":
-        raise NotImplementedError(f"qops.llama: model_type {cfg.model_type!r} is not supported (Llama only)")
+    model_type = getattr(cfg, "model_type", None) or "llama"
+    if model_type not in FAMILIES:
+        raise NotImplementedError(
+            f"qops.llama: model_type {model_type!r} is not supported (the Llama-architecture "
+            f"families: {', '.join(FAMILIES)})"
+        )
     if getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False):
-        raise NotImplementedError("qops.llama: Llama variants with biases are not supported")
+        raise NotImplementedError(f"qops.llama: {model_type} with attention_bias or mlp_bias: biases are not supported")
+    check_sliding_window(cfg)
     act = getattr(cfg, "hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise NotImplementedError(
@@ -338,8 +367,13 @@ def quantize(
     The result is a new module tree; ``model`` is left unchanged (the float weights are read,
     int8 weights with per-output-channel scales produced from them).
 
+    Model families (``config.model_type``): ``llama``; ``mistral`` (``MistralForCausalLM``)
+    without sliding-window attention: a ``sliding_window`` below ``max_position_embeddings``
+    raises ``NotImplementedError``, ``None`` (or one at least as long) is full attention.
+
     Args:
-        model: a ``transformers.LlamaForCausalLM`` (fp16, bf16 or fp32) on any device.
+        model: a ``transformers.LlamaForCausalLM`` or ``MistralForCausalLM`` (fp16, bf16 or fp32)
+            on any device.
         calibration_tokens: int token ids ``[N]`` or ``[B, S]``; needed for SmoothQuant and for
             static scales (activations or KV). Given to a config that uses none of them (the
             default: dynamic scales, no SmoothQuant), or beside ``stats``, they are ignored with

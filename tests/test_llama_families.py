@@ -1,0 +1,120 @@
+"""qops.llama on the Llama-architecture families beside ``LlamaForCausalLM`` (issue 43): a tiny
+random Hugging Face model of each family, its unquantized qops tree against Hugging Face's
+logits (fp tolerance), and W8A8+KV8 against the same logits (quantization tolerance, as in
+test_llama)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from qops.llama import QuantConfig, QuantizedLlamaForCausalLM, W8A8Linear, quantize
+from qops.llama.config import LlamaArgs
+from qops.testing import random_llama_state_dict
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None, reason="transformers is not installed (llama extra)"
+)
+
+FLOAT = QuantConfig(weights=False, kv_cache="fp16")
+
+
+def compare(logits: torch.Tensor, ref: torch.Tensor) -> dict:
+    """Relative L2 error, mean next-token KL(ref || q) and top-1 agreement of ``[..., V]`` logits."""
+    lq, lr = torch.log_softmax(logits.float(), -1), torch.log_softmax(ref.float(), -1)
+    return {
+        "rel": float((logits.float() - ref.float()).norm() / ref.float().norm()),
+        "kl": float((lr.exp() * (lr - lq)).sum(-1).mean()),
+        "top1": float((lq.argmax(-1) == lr.argmax(-1)).float().mean()),
+    }
+
+
+def tiny_args(model_type: str) -> LlamaArgs:
+    return LlamaArgs(
+        vocab_size=320,
+        hidden_size=128,
+        intermediate_size=256,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=256,
+        model_type=model_type,
+        qkv_bias=model_type == "qwen2",
+        qk_norm=model_type == "qwen3",
+    )
+
+
+def hf_model(model_type: str, seed: int = 0, **cfg_overrides):
+    """A tiny ``{Mistral,Qwen2,Qwen3}ForCausalLM`` (float32) with qops.testing's random weights."""
+    import transformers
+
+    name = {"mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}[model_type]
+    args = tiny_args(model_type)
+    kw = dict(
+        vocab_size=args.vocab_size,
+        hidden_size=args.hidden_size,
+        intermediate_size=args.intermediate_size,
+        num_hidden_layers=args.num_layers,
+        num_attention_heads=args.num_heads,
+        num_key_value_heads=args.num_kv_heads,
+        head_dim=args.head_dim,
+        rms_norm_eps=args.rms_norm_eps,
+        rope_theta=args.rope_theta,
+        max_position_embeddings=args.max_position_embeddings,
+        tie_word_embeddings=False,
+    )
+    kw.update(cfg_overrides)
+    cfg = getattr(transformers, name + "Config")(**kw)
+    hf = getattr(transformers, name + "ForCausalLM")(cfg).eval()
+    hf.load_state_dict(random_llama_state_dict(args, seed), strict=True)
+    return hf
+
+
+def ids(vocab: int = 320) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, 40), generator=torch.Generator().manual_seed(1))
+
+
+def check_family(hf, model_type: str) -> None:
+    x = ids()
+    with torch.no_grad():
+        ref = hf(x).logits.float()
+    tree = quantize(hf, config=FLOAT, dtype=torch.float32, progress=False)
+    assert tree.args.model_type == model_type
+    torch.testing.assert_close(tree.score(x), ref, rtol=1e-4, atol=1e-4)
+    # a decode step after a prefill gives the last position's logits
+    cache = tree.cache_for([x.shape[1]] * 2)
+    tree.step(x[:, :-1], [0, 1], cache)
+    torch.testing.assert_close(tree.step(x[:, -1:], [0, 1], cache), ref[:, -1], rtol=1e-4, atol=1e-4)
+    # W8A8+KV8 (float16): close to Hugging Face's float32 logits (test_llama's W8A8+KV8 tolerance)
+    q = quantize(hf, progress=False)
+    assert q.qcfg.label() == "W8A8+KV8" and isinstance(q.layers[0].self_attn.qkv_proj, W8A8Linear)
+    m = compare(q.score(x), ref)
+    assert m["rel"] < 0.055 and m["kl"] < 0.014 and m["top1"] >= 0.88, m
+
+
+def check_save_load(hf, tmp_path) -> None:
+    x = ids()
+    q = quantize(hf, progress=False)
+    q.save(tmp_path / "m")
+    q2 = QuantizedLlamaForCausalLM.load(tmp_path / "m")
+    assert q2.args == q.args
+    torch.testing.assert_close(q2.score(x), q.score(x), rtol=0, atol=0)
+
+
+# ---- Mistral ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("window", [None, 256, 4096])
+def test_mistral_matches_hf(window):
+    """A sliding window of None, or at least max_position_embeddings, is full attention."""
+    check_family(hf_model("mistral", sliding_window=window), "mistral")
+
+
+@pytest.mark.parametrize("window", [16, 255])
+def test_mistral_sliding_window_is_refused(window):
+    hf = hf_model("mistral", sliding_window=window)
+    with pytest.raises(NotImplementedError, match="sliding_window"):
+        quantize(hf, config=FLOAT, dtype=torch.float32, progress=False)
