@@ -118,3 +118,50 @@ def test_mistral_sliding_window_is_refused(window):
     hf = hf_model("mistral", sliding_window=window)
     with pytest.raises(NotImplementedError, match="sliding_window"):
         quantize(hf, config=FLOAT, dtype=torch.float32, progress=False)
+
+
+# ---- Qwen2: q/k/v biases ------------------------------------------------------------------------
+def test_qwen2_matches_hf():
+    hf = hf_model("qwen2")
+    check_family(hf, "qwen2")
+    q = quantize(hf, progress=False)
+    qkv = q.layers[0].self_attn.qkv_proj
+    assert qkv.bias is not None and qkv.bias.shape == (q.args.qkv_size,) and qkv.bias.dtype == torch.float16
+    assert q.layers[0].self_attn.o_proj.bias is None and q.layers[0].mlp.down_proj.bias is None
+
+
+def test_qwen2_save_load(tmp_path):
+    check_save_load(hf_model("qwen2"), tmp_path)
+
+
+def test_qwen2_smoothing_keeps_the_float_model():
+    """SmoothQuant's o target divides v_proj's rows by s: its bias too."""
+    from qops.llama.quantize import apply_smoothing, calibrate, hf_parts
+
+    sd, args, inv_freq, scaling = hf_parts(hf_model("qwen2"))
+    calib = torch.randint(0, args.vocab_size, (128,), generator=torch.Generator().manual_seed(2))
+    stats = calibrate(sd, args, calib, seq_len=64, inv_freq=inv_freq, progress=False)
+    smoothed, _ = apply_smoothing(sd, args, stats, 0.5, ("qkv", "gate_up", "down", "o"))
+    assert not torch.equal(smoothed["model.layers.0.self_attn.v_proj.bias"], sd["model.layers.0.self_attn.v_proj.bias"])
+    x = ids()
+    trees = [
+        QuantizedLlamaForCausalLM.from_state_dict(s, args, FLOAT, dtype=torch.float32, inv_freq=inv_freq)
+        for s in (sd, smoothed)
+    ]
+    torch.testing.assert_close(trees[1].score(x), trees[0].score(x), rtol=1e-4, atol=1e-4)
+    q = quantize(hf_model("qwen2"), calib, smoothquant=True, smooth_targets=("qkv", "gate_up", "down", "o"),
+                 calib_seq_len=64, progress=False)  # fmt: skip
+    assert compare(q.score(x), trees[0].score(x))["rel"] < 0.055
+
+
+def test_qwen2_sliding_window_and_stray_biases_are_refused():
+    hf = hf_model("qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=0)
+    with pytest.raises(NotImplementedError, match="sliding_window"):
+        quantize(hf, config=FLOAT, dtype=torch.float32, progress=False)
+    # a window switched off (or on layers past the model's) is full attention
+    quantize(hf_model("qwen2", use_sliding_window=False, sliding_window=16), config=FLOAT, progress=False)
+    # only q/k/v carry biases in Qwen2: another one is refused
+    hf = hf_model("qwen2")
+    hf.model.layers[0].self_attn.o_proj.bias = torch.nn.Parameter(torch.zeros(hf.config.hidden_size))
+    with pytest.raises(NotImplementedError, match="biases are not supported"):
+        quantize(hf, config=FLOAT, dtype=torch.float32, progress=False)

@@ -11,7 +11,7 @@ Which op replaces what (docs/llama.md):
 Hugging Face module               qops module / op
 ================================  =============================================================
 input_layernorm                   ``qops.rms_norm_quant`` (layer 0) / ``qops.fused_add_rms_norm_quant``
-q_proj, k_proj, v_proj            one fused ``W8A8Linear`` (``qops.w8a8_gemm``)
+q_proj, k_proj, v_proj            one fused ``W8A8Linear`` (``qops.w8a8_gemm``; Qwen2: + bias)
 rotary + attention                RoPE in PyTorch; ``qops.reshape_and_cache_int8``; decode:
                                   ``qops.paged_decode_attention_int8``; prefill: SDPA
                                   (int4 cache: ``qops.reshape_and_cache_int4`` or, SKVQ,
@@ -149,16 +149,23 @@ class FloatLinear(nn.Linear):
 
 
 def make_linear(
-    weight: torch.Tensor, qcfg: QuantConfig, dtype: torch.dtype, input_scale: float | None = None
+    weight: torch.Tensor,
+    qcfg: QuantConfig,
+    dtype: torch.dtype,
+    input_scale: float | None = None,
+    bias: torch.Tensor | None = None,
 ) -> nn.Module:
-    """A ``W8A8Linear`` (``qcfg.weights``) or a ``FloatLinear`` from a float ``weight [N, K]``."""
+    """A ``W8A8Linear`` (``qcfg.weights``) or a ``FloatLinear`` from a float ``weight [N, K]``
+    (and ``bias [N]``: Qwen2's q/k/v; kept in the model dtype, added in the GEMM's epilogue)."""
     if qcfg.weights:
         return W8A8Linear.from_float(
-            weight, out_dtype=dtype, input_scale=input_scale if qcfg.activations == "static" else None
+            weight, bias, out_dtype=dtype, input_scale=input_scale if qcfg.activations == "static" else None
         )
-    lin = FloatLinear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=dtype)
+    lin = FloatLinear(weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device, dtype=dtype)
     with torch.no_grad():
         lin.weight.copy_(weight)
+        if bias is not None:
+            lin.bias.copy_(bias)
     return lin
 
 

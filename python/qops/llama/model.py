@@ -148,10 +148,14 @@ class QuantizedLlamaForCausalLM(nn.Module):
             def w(name, p=p):
                 return sd[p + name + ".weight"].to(device=device, dtype=torch.float32)
 
-            def lin(weight, key, i=i):
-                return make_linear(weight, qcfg, dtype, input_scales.get(f"layers.{i}.{key}"))
+            def lin(weight, key, i=i, bias=None):
+                return make_linear(weight, qcfg, dtype, input_scales.get(f"layers.{i}.{key}"), bias)
 
-            qkv = lin(torch.cat([w("self_attn.q_proj"), w("self_attn.k_proj"), w("self_attn.v_proj")]), "qkv")
+            qkv_names = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+            qkv_bias = None
+            if args.qkv_bias:  # Qwen2
+                qkv_bias = torch.cat([sd[p + n + ".bias"].to(device=device, dtype=torch.float32) for n in qkv_names])
+            qkv = lin(torch.cat([w(n) for n in qkv_names]), "qkv", bias=qkv_bias)
             o = lin(w("self_attn.o_proj"), "o")
             gate_up = lin(torch.cat([w("mlp.gate_proj"), w("mlp.up_proj")]), "gate_up")
             down = lin(w("mlp.down_proj"), "down")
@@ -405,14 +409,14 @@ class QuantizedLlamaForCausalLM(nn.Module):
         h, i_, a = args.hidden_size, args.intermediate_size, args
         static = qcfg.activations == "static"
 
-        def lin(k, n):
+        def lin(k, n, bias=False):
             if qcfg.weights:
-                return W8A8Linear(k, n, out_dtype=dtype, static=static, device=dev)
-            return FloatLinear(k, n, bias=False, dtype=dtype, device=dev)
+                return W8A8Linear(k, n, out_dtype=dtype, static=static, bias=bias, device=dev)
+            return FloatLinear(k, n, bias=bias, dtype=dtype, device=dev)
 
         layers = []
         for i in range(a.num_layers):
-            attn = Attention(i, a, lin(h, a.qkv_size), lin(a.num_heads * a.head_dim, h), rotary)
+            attn = Attention(i, a, lin(h, a.qkv_size, a.qkv_bias), lin(a.num_heads * a.head_dim, h), rotary)
             mlp = MLP(lin(h, 2 * i_), lin(i_, h))
             n1 = RMSNorm(h, a.rms_norm_eps, quantize=qcfg.weights, dtype=dtype, device=dev)
             n2 = RMSNorm(h, a.rms_norm_eps, quantize=qcfg.weights, dtype=dtype, device=dev)

@@ -102,7 +102,7 @@ def check_sliding_window(cfg) -> None:
 # ---- Hugging Face model -> float weights --------------------------------------------------------
 def hf_parts(model):
     """``(state_dict, LlamaArgs, inv_freq, attention_scaling)`` of a ``LlamaForCausalLM`` (or a
-    ``MistralForCausalLM``: ``config.FAMILIES``)."""
+    ``MistralForCausalLM``, ``Qwen2ForCausalLM``: ``config.FAMILIES``)."""
     cfg = getattr(model, "config", None)
     if cfg is None or not hasattr(getattr(model, "model", None), "layers"):
         raise TypeError(f"qops.llama.quantize expects a transformers LlamaForCausalLM, got {type(model).__name__}")
@@ -130,10 +130,13 @@ def hf_parts(model):
     args = LlamaArgs.from_hf(cfg)
     sd = dict(model.state_dict().items())
     check_float_weights(sd, quantized_config=getattr(cfg, "quantization_config", None))
-    biases = [k for k in sd if k.endswith("_proj.bias")]
+    # the biases a family declares (Qwen2: q/k/v) go into the fused qkv linear; any other is refused
+    allowed = {f"self_attn.{n}_proj.bias" for n in "qkv"} if args.qkv_bias else set()
+    biases = [k for k in sd if k.endswith("_proj.bias") and k.split(".", 3)[-1] not in allowed]
     if biases:
         raise NotImplementedError(
-            f"qops.llama: linear biases are not supported (the qops linears have none), got {biases[:3]}"
+            f"qops.llama: linear biases are not supported (the qops linears have none"
+            f"{', except q/k/v' if args.qkv_bias else ''}), got {biases[:3]}"
         )
     if "lm_head.weight" not in sd or args.tie_word_embeddings:
         sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
@@ -301,6 +304,9 @@ def apply_smoothing(sd: dict, args: LlamaArgs, stats: dict, alpha: float, target
                 s = smooth_factors(a, w, alpha, groups=(hkv, g, d)).to(w.device)
                 s_kv = s.view(hkv, g, d)[:, 0, :].reshape(-1)
                 put("self_attn.v_proj", get("self_attn.v_proj") / s_kv[:, None], sd[p + "self_attn.v_proj.weight"])
+                vb = sd.get(p + "self_attn.v_proj.bias")
+                if vb is not None:  # Qwen2: v = x W_v^T + b_v, all of it scaled by 1 / s
+                    sd[p + "self_attn.v_proj.bias"] = (vb.float() / s_kv.to(vb.device)).to(vb.dtype)
                 put("self_attn.o_proj", w * s[None, :], sd[p + "self_attn.o_proj.weight"])
             factors[f"layers.{i}.{tgt}"] = s.cpu()
     return sd, factors
@@ -367,13 +373,15 @@ def quantize(
     The result is a new module tree; ``model`` is left unchanged (the float weights are read,
     int8 weights with per-output-channel scales produced from them).
 
-    Model families (``config.model_type``): ``llama``; ``mistral`` (``MistralForCausalLM``)
-    without sliding-window attention: a ``sliding_window`` below ``max_position_embeddings``
-    raises ``NotImplementedError``, ``None`` (or one at least as long) is full attention.
+    Model families (``config.model_type``): ``llama``; ``mistral`` (``MistralForCausalLM``);
+    ``qwen2`` (``Qwen2ForCausalLM``: the q/k/v biases are added by the fused qkv linear, in the
+    model dtype; a bias on any other linear, or in a family without them, is refused). None with
+    sliding-window attention: a ``sliding_window`` below ``max_position_embeddings`` (Qwen: with
+    ``use_sliding_window``) raises ``NotImplementedError``; ``None`` is full attention.
 
     Args:
-        model: a ``transformers.LlamaForCausalLM`` or ``MistralForCausalLM`` (fp16, bf16 or fp32)
-            on any device.
+        model: a ``transformers.LlamaForCausalLM``, ``MistralForCausalLM`` or
+            ``Qwen2ForCausalLM`` (fp16, bf16 or fp32) on any device.
         calibration_tokens: int token ids ``[N]`` or ``[B, S]``; needed for SmoothQuant and for
             static scales (activations or KV). Given to a config that uses none of them (the
             default: dynamic scales, no SmoothQuant), or beside ``stats``, they are ignored with
