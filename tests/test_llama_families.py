@@ -49,7 +49,7 @@ def tiny_args(model_type: str) -> LlamaArgs:
     )
 
 
-def hf_model(model_type: str, seed: int = 0, **cfg_overrides):
+def hf_model(model_type: str, seed: int = 0, strict: bool = True, **cfg_overrides):
     """A tiny ``{Mistral,Qwen2,Qwen3}ForCausalLM`` (float32) with qops.testing's random weights."""
     import transformers
 
@@ -71,7 +71,7 @@ def hf_model(model_type: str, seed: int = 0, **cfg_overrides):
     kw.update(cfg_overrides)
     cfg = getattr(transformers, name + "Config")(**kw)
     hf = getattr(transformers, name + "ForCausalLM")(cfg).eval()
-    hf.load_state_dict(random_llama_state_dict(args, seed), strict=True)
+    hf.load_state_dict(random_llama_state_dict(args, seed), strict=strict)
     return hf
 
 
@@ -165,3 +165,22 @@ def test_qwen2_sliding_window_and_stray_biases_are_refused():
     hf.model.layers[0].self_attn.o_proj.bias = torch.nn.Parameter(torch.zeros(hf.config.hidden_size))
     with pytest.raises(NotImplementedError, match="biases are not supported"):
         quantize(hf, config=FLOAT, dtype=torch.float32, progress=False)
+
+
+# ---- Qwen3: RMSNorm of q and k per head ---------------------------------------------------------
+def test_qwen3_matches_hf():
+    hf = hf_model("qwen3")
+    check_family(hf, "qwen3")
+    attn = quantize(hf, progress=False).layers[1].self_attn
+    assert attn.q_norm is not None and attn.q_norm.shape == (64,) and attn.q_norm.dtype == torch.float16
+    torch.testing.assert_close(attn.k_norm.float(), hf.model.layers[1].self_attn.k_norm.weight.half().float())
+
+
+def test_qwen3_save_load(tmp_path):
+    check_save_load(hf_model("qwen3"), tmp_path)
+
+
+def test_qwen3_with_attention_bias_is_refused():
+    """Qwen3's attention_bias puts a bias on o_proj too, which the qops linears do not carry."""
+    with pytest.raises(NotImplementedError, match="biases are not supported"):
+        quantize(hf_model("qwen3", strict=False, attention_bias=True), config=FLOAT, progress=False)

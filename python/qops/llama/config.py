@@ -12,9 +12,9 @@ KV_DTYPES = ("int8", "int4", "fp16")
 KV_GROUPS = (1, 4)
 _SQ_DEFAULT = ("qkv", "gate_up", "down")
 # the Hugging Face model types qops.llama runs (the Llama decoder and its close relatives)
-FAMILIES = ("llama", "mistral", "qwen2")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 QKV_BIAS_FAMILIES: tuple[str, ...] = ("qwen2",)  # q/k/v projections with biases (o and the MLP without)
-QK_NORM_FAMILIES: tuple[str, ...] = ()  # RMSNorm of each q and k head before RoPE
+QK_NORM_FAMILIES: tuple[str, ...] = ("qwen3",)  # RMSNorm of each q and k head before RoPE
 
 
 @dataclass

@@ -12,7 +12,8 @@ Hugging Face module               qops module / op
 ================================  =============================================================
 input_layernorm                   ``qops.rms_norm_quant`` (layer 0) / ``qops.fused_add_rms_norm_quant``
 q_proj, k_proj, v_proj            one fused ``W8A8Linear`` (``qops.w8a8_gemm``; Qwen2: + bias)
-rotary + attention                RoPE in PyTorch; ``qops.reshape_and_cache_int8``; decode:
+rotary + attention                RoPE in PyTorch (Qwen3: after q/k RMSNorm per head, PyTorch);
+                                  ``qops.reshape_and_cache_int8``; decode:
                                   ``qops.paged_decode_attention_int8``; prefill: SDPA
                                   (int4 cache: ``qops.reshape_and_cache_int4`` or, SKVQ,
                                   ``qops.skvq_cache_write``; decode ``qops.int4_gqa_decode``)
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple, Union
+from typing import TYPE_CHECKING, NamedTuple, Union, cast
 
 import torch
 import torch.nn.functional as F
@@ -301,6 +302,9 @@ class Attention(nn.Module):
     its own full-precision window, ``_prefill_skvq``).
     """
 
+    q_norm: nn.Parameter | None
+    k_norm: nn.Parameter | None
+
     def __init__(self, layer_idx: int, args: LlamaArgs, qkv: nn.Module, o: nn.Module, rotary: Rotary) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -308,14 +312,23 @@ class Attention(nn.Module):
         self.sm_scale = self.d**-0.5
         self.qkv_proj, self.o_proj = qkv, o
         self.rotary = [rotary]  # shared, not a submodule of every layer
+        # Qwen3: RMSNorm of each q and k head (weights [D]) before RoPE; float, in PyTorch
+        self.eps = args.rms_norm_eps
+        qkv_w = cast(torch.Tensor, qkv.weight)
+        dev, dt = qkv_w.device, (qkv.out_dtype if isinstance(qkv, W8A8Linear) else qkv_w.dtype)
+        for name in ("q_norm", "k_norm"):
+            w = nn.Parameter(torch.ones(self.d, dtype=dt, device=dev), requires_grad=False) if args.qk_norm else None
+            self.register_parameter(name, w)
 
     def forward(self, x: Act, ctx: StepContext) -> torch.Tensor:
         t = ctx.positions.shape[0]
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
+        q, k = q.reshape(t, self.hq, self.d), k.reshape(t, self.hkv, self.d)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = rms_norm_float(q, self.q_norm, self.eps), rms_norm_float(k, self.k_norm, self.eps)
         rot = self.rotary[0]
-        q = rot(q.reshape(t, self.hq, self.d), ctx.positions)
-        k = rot(k.reshape(t, self.hkv, self.d), ctx.positions)
+        q, k = rot(q, ctx.positions), rot(k, ctx.positions)
         v = v.reshape(t, self.hkv, self.d)
         cache = ctx.cache
         cache.write(self.layer_idx, k, v, ctx.slot_mapping, ctx)

@@ -163,7 +163,11 @@ class QuantizedLlamaForCausalLM(nn.Module):
             n2 = RMSNorm(args.hidden_size, args.rms_norm_eps, quantize=quant_acts, dtype=dtype, device=device)
             n1.weight.copy_(w("input_layernorm"))
             n2.weight.copy_(w("post_attention_layernorm"))
-            layers.append(DecoderLayer(Attention(i, args, qkv, o, rotary), MLP(gate_up, down), n1, n2))
+            attn = Attention(i, args, qkv, o, rotary)
+            if attn.q_norm is not None and attn.k_norm is not None:  # Qwen3
+                attn.q_norm.copy_(w("self_attn.q_norm"))
+                attn.k_norm.copy_(w("self_attn.k_norm"))
+            layers.append(DecoderLayer(attn, MLP(gate_up, down), n1, n2))
         embed = sd["model.embed_tokens.weight"].to(device=device, dtype=dtype)
         head = None
         if not args.tie_word_embeddings:

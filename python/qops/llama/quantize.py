@@ -102,7 +102,7 @@ def check_sliding_window(cfg) -> None:
 # ---- Hugging Face model -> float weights --------------------------------------------------------
 def hf_parts(model):
     """``(state_dict, LlamaArgs, inv_freq, attention_scaling)`` of a ``LlamaForCausalLM`` (or a
-    ``MistralForCausalLM``, ``Qwen2ForCausalLM``: ``config.FAMILIES``)."""
+    ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``: ``config.FAMILIES``)."""
     cfg = getattr(model, "config", None)
     if cfg is None or not hasattr(getattr(model, "model", None), "layers"):
         raise TypeError(f"qops.llama.quantize expects a transformers LlamaForCausalLM, got {type(model).__name__}")
@@ -375,13 +375,15 @@ def quantize(
 
     Model families (``config.model_type``): ``llama``; ``mistral`` (``MistralForCausalLM``);
     ``qwen2`` (``Qwen2ForCausalLM``: the q/k/v biases are added by the fused qkv linear, in the
-    model dtype; a bias on any other linear, or in a family without them, is refused). None with
-    sliding-window attention: a ``sliding_window`` below ``max_position_embeddings`` (Qwen: with
+    model dtype; a bias on any other linear, or in a family without them, is refused); ``qwen3``
+    (``Qwen3ForCausalLM``: the per-head RMSNorm of q and k before RoPE, ``q_norm``/``k_norm``
+    weights ``[head_dim]``, runs in PyTorch on the float q/k). None with sliding-window
+    attention: a ``sliding_window`` below ``max_position_embeddings`` (Qwen: with
     ``use_sliding_window``) raises ``NotImplementedError``; ``None`` is full attention.
 
     Args:
-        model: a ``transformers.LlamaForCausalLM``, ``MistralForCausalLM`` or
-            ``Qwen2ForCausalLM`` (fp16, bf16 or fp32) on any device.
+        model: a ``transformers.LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``
+            or ``Qwen3ForCausalLM`` (fp16, bf16 or fp32) on any device.
         calibration_tokens: int token ids ``[N]`` or ``[B, S]``; needed for SmoothQuant and for
             static scales (activations or KV). Given to a config that uses none of them (the
             default: dynamic scales, no SmoothQuant), or beside ``stats``, they are ignored with
