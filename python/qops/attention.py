@@ -15,7 +15,7 @@ import torch
 
 from . import envs
 from ._registry import HALF_DTYPES, check, check_dtype, export, fake, reference
-from .kv_cache import check_caches
+from .kv_cache import check_block_tables, check_caches, check_table_values
 
 _OP = "paged_decode_attention_int8"
 HEAD_DIMS = (64, 128)
@@ -65,17 +65,7 @@ def _check_args(query, k_cache, v_cache, k_scales, v_scales, block_tables, seq_l
     check(d == k_cache.shape[3], op, f"query's D = {d} must match k_cache's D = {k_cache.shape[3]}")
     check(d in HEAD_DIMS, op, f"head dim D must be one of {HEAD_DIMS}, got {d}")
     check(hq % hkv == 0, op, f"the number of query heads ({hq}) must be a multiple of the number of kv heads ({hkv})")
-    check_dtype(block_tables, torch.int32, op, "block_tables")
-    check(
-        block_tables.dim() == 2 and block_tables.shape[0] == b and block_tables.shape[1] >= 1,
-        op,
-        f"block_tables must be int32 [B, max_blocks] with B = {b}, max_blocks >= 1, got shape "
-        f"{tuple(block_tables.shape)}",
-    )
-    check(block_tables.stride(1) == 1, op, "block_tables' last dimension must be contiguous (stride 1)")
-    check_dtype(seq_lens, torch.int32, op, "seq_lens")
-    check(tuple(seq_lens.shape) == (b,), op, f"seq_lens must be int32 [B] = [{b}], got {tuple(seq_lens.shape)}")
-    check(seq_lens.is_contiguous(), op, "seq_lens must be contiguous")
+    check_block_tables(op, block_tables, seq_lens, b, k_cache.device)
     if alibi_slopes is not None:
         check_dtype(alibi_slopes, torch.float32, op, "alibi_slopes")
         check(
@@ -85,12 +75,7 @@ def _check_args(query, k_cache, v_cache, k_scales, v_scales, block_tables, seq_l
         )
         check(alibi_slopes.is_contiguous(), op, "alibi_slopes must be contiguous")
     check(num_splits >= 0, op, f"num_splits must be >= 0 (0: heuristic), got {num_splits}")
-    for name, t in (
-        ("query", query),
-        ("block_tables", block_tables),
-        ("seq_lens", seq_lens),
-        ("alibi_slopes", alibi_slopes),
-    ):
+    for name, t in (("query", query), ("alibi_slopes", alibi_slopes)):
         if t is not None:
             check(t.device == k_cache.device, op, f"{name} must be on {k_cache.device}, got {t.device}")
     return mode
@@ -166,22 +151,7 @@ def _paged_decode_attention_int8_ref(
 ):
     _check_tuning(merge, warps)
     _check_args(query, k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens, alibi_slopes, num_splits)
-    bs, num_blocks = k_cache.shape[2], k_cache.shape[0]
-    cap = block_tables.shape[1] * bs
-    bad_len = (seq_lens < 0) | (seq_lens > cap)
-    check(
-        not bool(bad_len.any()),
-        _OP,
-        f"seq_lens must be in [0, max_blocks * block_size = {cap}], got {seq_lens[bad_len][:8].tolist()}",
-    )
-    used = torch.arange(block_tables.shape[1]) * bs < seq_lens.long()[:, None]  # blocks read
-    bad_blk = used & ((block_tables < 0) | (block_tables >= num_blocks))
-    check(
-        not bool(bad_blk.any()),
-        _OP,
-        f"block_tables holds block ids outside [0, num_blocks = {num_blocks}) within seq_lens: "
-        f"{block_tables[bad_blk][:8].tolist()}",
-    )
+    check_table_values(_OP, block_tables, seq_lens, k_cache.shape[0], k_cache.shape[2])
     out = decode_attention_reference(
         query, k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens, sm_scale, alibi_slopes, torch.float32
     )

@@ -16,6 +16,7 @@ import torch
 
 from . import envs
 from ._registry import HALF_DTYPES, check, check_dtype, export, fake, reference
+from .kv_cache import check_block_tables, check_slot_mapping, check_table_values
 
 HEAD_DIMS = (64, 128)
 NUM_GROUPS = (1, 4)
@@ -238,22 +239,7 @@ def _reshape_and_cache_int4_ref(
 ) -> None:
     op = "reshape_and_cache_int4"
     _check_cache_int4_args(key, value, k_cache, v_cache, slot_mapping, num_groups, clip_ratio)
-    capacity = k_cache.shape[0] * k_cache.shape[2]
-    bad = (slot_mapping < -1) | (slot_mapping >= capacity)
-    check(
-        not bool(bad.any()),
-        op,
-        f"slot_mapping holds slots outside [-1, num_blocks * block_size = {capacity}): "
-        f"{slot_mapping[bad][:8].tolist()}",
-    )
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
-    dup = slots.unique(return_counts=True)
-    check(
-        bool((dup[1] <= 1).all()),
-        op,
-        f"slot_mapping maps several tokens to one slot: {dup[0][dup[1] > 1][:8].tolist()}",
-    )
+    keep, slots = check_slot_mapping(op, slot_mapping, k_cache.shape[0] * k_cache.shape[2])
     for x, cache in ((key, k_cache), (value, v_cache)):
         _write_rows(cache, slots, _quantize_kv_int4_ref(x[keep], num_groups, clip_ratio=clip_ratio))
 
@@ -363,40 +349,6 @@ def _check_side_values(op, side_slots, k_side) -> None:
     check(not bool(bad.any()), op, f"side_slots must lie in [0, {n}), got {side_slots[bad][:8].tolist()}")
 
 
-def _check_block_tables(op, block_tables, seq_lens, b, num_blocks, bs, device) -> None:
-    check_dtype(block_tables, torch.int32, op, "block_tables")
-    check(
-        block_tables.dim() == 2 and block_tables.shape[0] == b and block_tables.shape[1] >= 1,
-        op,
-        f"block_tables must be int32 [B, max_blocks] with B = {b}, max_blocks >= 1, got shape "
-        f"{tuple(block_tables.shape)}",
-    )
-    check(block_tables.stride(1) == 1, op, "block_tables' last dimension must be contiguous (stride 1)")
-    check_dtype(seq_lens, torch.int32, op, "seq_lens")
-    check(tuple(seq_lens.shape) == (b,), op, f"seq_lens must be int32 [B] = [{b}], got {tuple(seq_lens.shape)}")
-    check(seq_lens.is_contiguous(), op, "seq_lens must be contiguous")
-    for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens)):
-        check(t.device == device, op, f"{name} must be on {device}, got {t.device}")
-
-
-def _check_table_values(op, block_tables, seq_lens, num_blocks, bs) -> None:
-    cap = block_tables.shape[1] * bs
-    bad_len = (seq_lens < 0) | (seq_lens > cap)
-    check(
-        not bool(bad_len.any()),
-        op,
-        f"seq_lens must be in [0, max_blocks * block_size = {cap}], got {seq_lens[bad_len][:8].tolist()}",
-    )
-    used = torch.arange(block_tables.shape[1], device=seq_lens.device) * bs < seq_lens.long()[:, None]
-    bad_blk = used & ((block_tables < 0) | (block_tables >= num_blocks))
-    check(
-        not bool(bad_blk.any()),
-        op,
-        f"block_tables hold block ids outside [0, num_blocks = {num_blocks}) within seq_lens: "
-        f"{block_tables[bad_blk][:8].tolist()}",
-    )
-
-
 def _check_skvq_write(
     key,
     value,
@@ -418,7 +370,7 @@ def _check_skvq_write(
     _check_kv_tokens(op, key, value, hkv, d, k_cache.device)
     _check_clip(op, clip_ratio)
     b = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
-    _check_block_tables(op, block_tables, seq_lens, b, k_cache.shape[0], k_cache.shape[2], k_cache.device)
+    check_block_tables(op, block_tables, seq_lens, b, k_cache.device)
     _check_side(op, key.dtype, k_side, v_side, side_slots, b, hkv, d, sinks, window, k_cache.device, required=True)
     check_dtype(cu_seqlens, torch.int32, op, "cu_seqlens")
     check(
@@ -466,7 +418,7 @@ def _skvq_cache_write_ref(
         clip_ratio,
     )
     bs = k_cache.shape[2]
-    _check_table_values(op, block_tables, seq_lens, k_cache.shape[0], bs)
+    check_table_values(op, block_tables, seq_lens, k_cache.shape[0], bs)
     _check_side_values(op, side_slots, k_side)
     cu = cu_seqlens.tolist()
     check(
@@ -626,7 +578,7 @@ def _check_int4_decode(
     check(dq == d, op, f"query's D = {dq} must match the cache's D = {d} (row bytes {k_cache.shape[3]})")
     check(hq % hkv == 0, op, f"the number of query heads ({hq}) must be a multiple of the number of kv heads ({hkv})")
     check(query.device == k_cache.device, op, f"query must be on {k_cache.device}, got {query.device}")
-    _check_block_tables(op, block_tables, seq_lens, b, k_cache.shape[0], k_cache.shape[2], k_cache.device)
+    check_block_tables(op, block_tables, seq_lens, b, k_cache.device)
     _check_side(op, query.dtype, k_side, v_side, side_slots, b, hkv, d, sinks, window, k_cache.device)
     check(num_splits >= 0, op, f"num_splits must be >= 0 (0: the kernel chooses), got {num_splits}")
     check(
@@ -719,7 +671,7 @@ def _int4_gqa_decode_ref(
         merge,
         warps,
     )
-    _check_table_values(op, block_tables, seq_lens, k_cache.shape[0], k_cache.shape[2])
+    check_table_values(op, block_tables, seq_lens, k_cache.shape[0], k_cache.shape[2])
     _check_side_values(op, side_slots, k_side)
     out = int4_decode_reference(
         query, k_cache, v_cache, block_tables, seq_lens, sm_scale, num_groups, k_side, v_side, side_slots, sinks, window

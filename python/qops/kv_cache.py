@@ -95,6 +95,69 @@ def check_caches(
     return scale_mode(op, k_cache, k_scales, v_scales)
 
 
+def check_slot_mapping(op: str, slot_mapping: torch.Tensor, capacity: int, duplicate_note: str = ""):
+    """The reference's value checks of a cache write's ``slot_mapping`` (int8 and int4 caches):
+    every slot in ``[-1, capacity)``, no slot twice. Returns ``(keep, slots)``: the mask of the
+    tokens written and their slots."""
+    bad = (slot_mapping < -1) | (slot_mapping >= capacity)
+    check(
+        not bool(bad.any()),
+        op,
+        f"slot_mapping holds slots outside [-1, num_blocks * block_size = {capacity}): "
+        f"{slot_mapping[bad][:8].tolist()}",
+    )
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    dup = slots.unique(return_counts=True)
+    check(
+        bool((dup[1] <= 1).all()),
+        op,
+        f"slot_mapping maps several tokens to one slot: {dup[0][dup[1] > 1][:8].tolist()}{duplicate_note}",
+    )
+    return keep, slots
+
+
+def check_block_tables(op: str, block_tables: torch.Tensor, seq_lens: torch.Tensor, b: int, device) -> None:
+    """Dtypes, shapes, layout and device of a paged cache's ``block_tables`` ``[B, max_blocks]``
+    and ``seq_lens`` ``[B]`` (the decode attentions and the SKVQ write)."""
+    check_dtype(block_tables, torch.int32, op, "block_tables")
+    check(
+        block_tables.dim() == 2 and block_tables.shape[0] == b and block_tables.shape[1] >= 1,
+        op,
+        f"block_tables must be int32 [B, max_blocks] with B = {b}, max_blocks >= 1, got shape "
+        f"{tuple(block_tables.shape)}",
+    )
+    check(block_tables.stride(1) == 1, op, "block_tables' last dimension must be contiguous (stride 1)")
+    check_dtype(seq_lens, torch.int32, op, "seq_lens")
+    check(tuple(seq_lens.shape) == (b,), op, f"seq_lens must be int32 [B] = [{b}], got {tuple(seq_lens.shape)}")
+    check(seq_lens.is_contiguous(), op, "seq_lens must be contiguous")
+    for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens)):
+        check(t.device == device, op, f"{name} must be on {device}, got {t.device}")
+
+
+def check_table_values(
+    op: str, block_tables: torch.Tensor, seq_lens: torch.Tensor, num_blocks: int, block_size: int
+) -> None:
+    """The reference's value checks of ``block_tables`` and ``seq_lens`` (the CUDA kernels do not
+    read them on the host): every length in ``[0, max_blocks * block_size]``, every block id a
+    sequence's length covers in ``[0, num_blocks)``."""
+    cap = block_tables.shape[1] * block_size
+    bad_len = (seq_lens < 0) | (seq_lens > cap)
+    check(
+        not bool(bad_len.any()),
+        op,
+        f"seq_lens must be in [0, max_blocks * block_size = {cap}], got {seq_lens[bad_len][:8].tolist()}",
+    )
+    used = torch.arange(block_tables.shape[1], device=seq_lens.device) * block_size < seq_lens.long()[:, None]
+    bad_blk = used & ((block_tables < 0) | (block_tables >= num_blocks))
+    check(
+        not bool(bad_blk.any()),
+        op,
+        f"block_tables hold block ids outside [0, num_blocks = {num_blocks}) within seq_lens: "
+        f"{block_tables[bad_blk][:8].tolist()}",
+    )
+
+
 def _check_write_args(key, value, k_cache, v_cache, k_scales, v_scales, slot_mapping) -> str:
     op = _OP
     check_dtype(key, HALF_DTYPES, op, "key")
@@ -136,22 +199,11 @@ def _reshape_and_cache_int8_ref(
 ) -> None:
     mode = _check_write_args(key, value, k_cache, v_cache, k_scales, v_scales, slot_mapping)
     num_blocks, _, block_size, _ = k_cache.shape
-    capacity = num_blocks * block_size
-    bad = (slot_mapping < -1) | (slot_mapping >= capacity)
-    check(
-        not bool(bad.any()),
+    keep, slots = check_slot_mapping(
         _OP,
-        f"slot_mapping holds slots outside [-1, num_blocks * block_size = {capacity}): "
-        f"{slot_mapping[bad][:8].tolist()}",
-    )
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
-    dup = slots.unique(return_counts=True)
-    check(
-        bool((dup[1] <= 1).all()),
-        _OP,
-        f"slot_mapping maps several tokens to one slot: {dup[0][dup[1] > 1][:8].tolist()} (a slot holds "
-        "one token: its int8 row and its scale must come from the same token)",
+        slot_mapping,
+        num_blocks * block_size,
+        " (a slot holds one token: its int8 row and its scale must come from the same token)",
     )
     blk, off = slots // block_size, slots % block_size
     for x, cache, scales in ((key[keep], k_cache, k_scales), (value[keep], v_cache, v_scales)):
