@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import qops
-from qops.w4a16 import dequantize_weight_int4, pack_int4, quantize_weight_int4, unpack_int4
+from qops.w4a16 import dequantize_weight_int4, n_major, pack_int4, quantize_weight_int4, unpack_int4
 
 OPS = ("w4a16_prepack", "w4a16_gemm")
 HALF = (torch.float16, torch.bfloat16)
@@ -179,10 +179,10 @@ def test_quantize_weight_float32_input_and_dtype():
 
 # ---- w4a16_prepack -------------------------------------------------------------------------------
 def test_prepack_is_a_contiguous_copy_on_cpu():
-    w = torch.randint(0, 256, (24, 128), dtype=torch.uint8)
+    w = torch.randint(0, 256, (32, 128), dtype=torch.uint8)
     p = qops.w4a16_prepack(w)
     assert torch.equal(p, w) and p.is_contiguous() and p.data_ptr() != w.data_ptr()
-    wide = torch.randint(0, 256, (24, 160), dtype=torch.uint8)
+    wide = torch.randint(0, 256, (32, 160), dtype=torch.uint8)
     p = qops.w4a16_prepack(wide[:, :128])
     assert torch.equal(p, wide[:, :128]) and p.is_contiguous()
 
@@ -193,12 +193,14 @@ def test_prepack_bad_input():
     with pytest.raises(ValueError, match=r"qops\.w4a16_prepack: weight must be 2-D"):
         qops.w4a16_prepack(torch.zeros(64, dtype=torch.uint8))
     with pytest.raises(ValueError, match=r"qops\.w4a16_prepack: K .*multiple of 64"):
-        qops.w4a16_prepack(torch.zeros(8, 48, dtype=torch.uint8))
+        qops.w4a16_prepack(torch.zeros(16, 48, dtype=torch.uint8))
+    with pytest.raises(ValueError, match=r"qops\.w4a16_prepack: N = weight.shape\[0\] must be a multiple of 16"):
+        qops.w4a16_prepack(torch.zeros(8, 64, dtype=torch.uint8))
 
 
 # ---- w4a16_gemm ----------------------------------------------------------------------------------
-# Awkward shapes: M = 1, 3, 17; N not a power of two; K several groups.
-SHAPES = [(1, 24, 128), (3, 40, 256), (17, 72, 384)]
+# Awkward shapes: M = 1, 3, 17; N not a power of two (a multiple of 16); K several groups.
+SHAPES = [(1, 48, 128), (3, 80, 256), (17, 112, 384)]
 
 
 @pytest.mark.parametrize("dtype", HALF)
@@ -231,7 +233,7 @@ def test_gemm_dequantized_weight_helper_is_kernel_order():
 @pytest.mark.parametrize("with_zeros", [False, True])
 def test_gemm_end_to_end_quantized_linear(with_zeros):
     gen = torch.Generator().manual_seed(5)
-    w = torch.randn(72, 256, generator=gen, dtype=torch.float32).to(torch.bfloat16)
+    w = torch.randn(80, 256, generator=gen, dtype=torch.float32).to(torch.bfloat16)
     a = torch.randn(5, 256, generator=gen).to(torch.bfloat16)
     packed, scales, zeros = quantize_weight_int4(w, 64, with_zeros)
     out = qops.w4a16_gemm(a, qops.w4a16_prepack(packed), scales, zeros, 64)
@@ -240,17 +242,26 @@ def test_gemm_end_to_end_quantized_linear(with_zeros):
 
 
 def test_gemm_strided_a_and_empty_m():
-    packed, scales, zeros = make_weights(24, 128, 64, torch.float16, True)
+    packed, scales, zeros = make_weights(32, 128, 64, torch.float16, True)
     wide = torch.randn(3, 200, dtype=torch.float16)
     a = wide[:, 8:136]  # row stride 200, last dim contiguous
     out = qops.w4a16_gemm(a, packed, scales, zeros, 64)
     assert torch.equal(out, qops.w4a16_gemm(a.contiguous(), packed, scales, zeros, 64))
     empty = qops.w4a16_gemm(torch.empty(0, 128, dtype=torch.float16), packed, scales, zeros, 64)
-    assert empty.shape == (0, 24)
+    assert empty.shape == (0, 32)
+
+
+def test_gemm_n_major_scales_same_result():
+    packed, scales, zeros = make_weights(48, 256, 64, torch.bfloat16, True)
+    a = torch.randn(5, 256, dtype=torch.bfloat16)
+    sn, zn = n_major(scales), n_major(zeros)
+    assert sn.stride() == (1, 48) and torch.equal(sn, scales) and n_major(sn) is sn
+    out = qops.w4a16_gemm(a, packed, sn, zn, 64)
+    assert torch.equal(out, qops.w4a16_gemm(a, packed, scales, zeros, 64))
 
 
 def test_gemm_inputs_unchanged():
-    packed, scales, zeros = make_weights(24, 128, 128, torch.bfloat16, True)
+    packed, scales, zeros = make_weights(32, 128, 128, torch.bfloat16, True)
     a = torch.randn(3, 128, dtype=torch.bfloat16)
     before = [t.clone() for t in (a, packed, scales, zeros)]
     qops.w4a16_gemm(a, packed, scales, zeros, 128)
@@ -260,8 +271,8 @@ def test_gemm_inputs_unchanged():
 def _gemm_args(**over):
     args = dict(
         a=torch.randn(3, 256, dtype=torch.float16),
-        weight_packed=torch.zeros(24, 128, dtype=torch.uint8),
-        scales=torch.ones(24, 2, dtype=torch.float16),
+        weight_packed=torch.zeros(32, 128, dtype=torch.uint8),
+        scales=torch.ones(32, 2, dtype=torch.float16),
         zeros=None,
         group_size=128,
     )
@@ -279,24 +290,29 @@ def _gemm_args(**over):
         (
             dict(
                 a=torch.randn(3, 192, dtype=torch.float16),
-                weight_packed=torch.zeros(24, 96, dtype=torch.uint8),
-                scales=torch.ones(24, 1, dtype=torch.float16),
+                weight_packed=torch.zeros(32, 96, dtype=torch.uint8),
+                scales=torch.ones(32, 1, dtype=torch.float16),
             ),
             ValueError,
             r"K \(a.shape\[1\] = 192\) must be a positive multiple of group_size \(128\)",
         ),
-        (dict(weight_packed=torch.zeros(24, 128, dtype=torch.int8)), TypeError, r"weight_packed must be uint8"),
-        (dict(weight_packed=torch.zeros(24, 256, dtype=torch.uint8)), ValueError, r"weight_packed must be \[N, K/2\]"),
-        (dict(scales=torch.ones(24, 2, dtype=torch.bfloat16)), TypeError, r"scales \(a's dtype\) must be float16"),
+        (dict(weight_packed=torch.zeros(32, 128, dtype=torch.int8)), TypeError, r"weight_packed must be uint8"),
+        (dict(weight_packed=torch.zeros(32, 256, dtype=torch.uint8)), ValueError, r"weight_packed must be \[N, K/2\]"),
+        (dict(scales=torch.ones(32, 2, dtype=torch.bfloat16)), TypeError, r"scales \(a's dtype\) must be float16"),
         (
-            dict(scales=torch.ones(24, 4, dtype=torch.float16)),
+            dict(scales=torch.ones(32, 4, dtype=torch.float16)),
             ValueError,
-            r"scales must be \[N, K/group_size\] = \[24, 2\]",
+            r"scales must be \[N, K/group_size\] = \[32, 2\]",
         ),
-        (dict(scales=torch.ones(23, 2, dtype=torch.float16)), ValueError, r"scales must be \[N, K/group_size\]"),
-        (dict(zeros=torch.ones(24, 2, dtype=torch.float32)), TypeError, r"zeros \(a's dtype\) must be float16"),
-        (dict(zeros=torch.ones(24, 3, dtype=torch.float16)), ValueError, r"zeros must be \[N, K/group_size\]"),
-        (dict(scales=torch.ones(2, 24, dtype=torch.float16).T), ValueError, r"scales must be contiguous"),
+        (dict(scales=torch.ones(31, 2, dtype=torch.float16)), ValueError, r"scales must be \[N, K/group_size\]"),
+        (dict(zeros=torch.ones(32, 2, dtype=torch.float32)), TypeError, r"zeros \(a's dtype\) must be float16"),
+        (dict(zeros=torch.ones(32, 3, dtype=torch.float16)), ValueError, r"zeros must be \[N, K/group_size\]"),
+        (dict(scales=torch.ones(4, 32, dtype=torch.float16)[::2].T), ValueError, r"scales must be contiguous or N-"),
+        (
+            dict(weight_packed=torch.zeros(24, 128, dtype=torch.uint8), scales=torch.ones(24, 2, dtype=torch.float16)),
+            ValueError,
+            r"N = weight_packed.shape\[0\] must be a multiple of 16",
+        ),
     ],
 )
 def test_gemm_bad_input(over, exc, pattern):
@@ -307,13 +323,13 @@ def test_gemm_bad_input(over, exc, pattern):
 # ---- op registration -----------------------------------------------------------------------------
 @pytest.mark.parametrize("with_zeros", [False, True])
 def test_opcheck_gemm(with_zeros):
-    packed, scales, zeros = make_weights(24, 128, 64, torch.bfloat16, with_zeros)
+    packed, scales, zeros = make_weights(32, 128, 64, torch.bfloat16, with_zeros)
     a = torch.randn(3, 128, dtype=torch.bfloat16)
     torch.library.opcheck(torch.ops.qops.w4a16_gemm.default, (a, packed, scales, zeros, 64))
 
 
 def test_opcheck_prepack():
-    w = torch.randint(0, 256, (24, 64), dtype=torch.uint8)
+    w = torch.randint(0, 256, (32, 64), dtype=torch.uint8)
     torch.library.opcheck(torch.ops.qops.w4a16_prepack.default, (w,))
 
 
@@ -329,7 +345,7 @@ def test_no_cuda_kernel_in_cpu_build(name):
 def test_cuda_without_kernel_raises(name):
     if qops.has_cuda_kernel(name):
         pytest.skip(f"this build has a CUDA kernel for {name}")
-    packed, scales, zeros = make_weights(24, 128, 64, torch.float16, True)
+    packed, scales, zeros = make_weights(32, 128, 64, torch.float16, True)
     args = {
         "w4a16_prepack": (packed,),
         "w4a16_gemm": (torch.randn(3, 128, dtype=torch.float16), packed, scales, zeros, 64),

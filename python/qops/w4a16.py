@@ -17,6 +17,7 @@ from ._registry import HALF_DTYPES, check, check_dtype, export, fake, reference
 INT4_MIN = -8
 INT4_MAX = 7
 GROUP_SIZES = (64, 128)
+N_MULTIPLE = 16  # rows of the shuffled layout's atom (docs/int4.md): N must be a multiple on every device
 
 
 # ---- int4 weight utilities -----------------------------------------------------------------------
@@ -147,6 +148,25 @@ def dequantize_weight_int4(
 def _check_packed_weight(op: str, name: str, w: torch.Tensor) -> None:
     check_dtype(w, torch.uint8, op, name)
     check(w.dim() == 2, op, f"{name} must be 2-D uint8 [N, K/2], got shape {tuple(w.shape)}")
+    check(
+        w.shape[0] % N_MULTIPLE == 0,
+        op,
+        f"N = {name}.shape[0] must be a multiple of {N_MULTIPLE}, got shape {tuple(w.shape)}",
+    )
+
+
+def n_major(t: torch.Tensor) -> torch.Tensor:
+    """``scales`` / ``zeros`` ``[N, K/G]`` in the layout the CUDA kernels read: N contiguous
+    (strides ``(1, N)``, i.e. ``t.t().contiguous().t()``; no copy if ``t`` already is).
+
+    :func:`w4a16_gemm` accepts both this and the row-major layout; on the GPU a row-major
+    ``scales`` is transposed on every call, so store them N-major once at load time.
+    """
+    return t if _is_n_major(t) else t.t().contiguous().t()
+
+
+def _is_n_major(t: torch.Tensor) -> bool:
+    return t.dim() == 2 and (t.shape[0] <= 1 or t.stride(0) == 1) and (t.shape[1] <= 1 or t.stride(1) == t.shape[0])
 
 
 @reference("w4a16_prepack")
@@ -221,7 +241,11 @@ def _check_w4a16_gemm(
             op,
             f"{name} must be [N, K/group_size] = {list(expected)}, got shape {tuple(t.shape)}",
         )
-        check(t.is_contiguous(), op, f"{name} must be contiguous")
+        check(
+            t.is_contiguous() or _is_n_major(t),
+            op,
+            f"{name} must be contiguous or N-major (strides (1, N): qops.w4a16.n_major), got strides {t.stride()}",
+        )
     for name, t in (("weight_packed", weight_packed), ("scales", scales), ("zeros", zeros)):
         if t is not None:
             check(t.device == a.device, op, f"{name} must be on {a.device}, got {t.device}")
@@ -234,6 +258,8 @@ def _w4a16_gemm_ref(
     scales: torch.Tensor,
     zeros: torch.Tensor | None,
     group_size: int,
+    *,
+    config: str = "auto",
 ) -> torch.Tensor:
     _check_w4a16_gemm(a, weight_packed, scales, zeros, group_size)
     w = dequantize_weight_int4(weight_packed, scales, zeros, group_size)  # [N, K] in a.dtype
@@ -241,7 +267,7 @@ def _w4a16_gemm_ref(
 
 
 @fake("w4a16_gemm")
-def _w4a16_gemm_fake(a, weight_packed, scales, zeros, group_size):
+def _w4a16_gemm_fake(a, weight_packed, scales, zeros, group_size, *, config="auto"):
     # N from scales: the prepacked weight's shape is device-specific.
     return a.new_empty((a.shape[0], scales.shape[0]))
 
@@ -253,6 +279,8 @@ def w4a16_gemm(
     scales: torch.Tensor,
     zeros: torch.Tensor | None,
     group_size: int,
+    *,
+    config: str = "auto",
 ) -> torch.Tensor:
     """int4-weight GEMM: ``a @ W.T`` with ``W`` dequantized group-wise along ``K``.
 
@@ -265,11 +293,18 @@ def w4a16_gemm(
     Args:
         a: ``[M, K]`` float16 or bfloat16, last dimension contiguous; ``K`` a multiple of
             ``group_size``.
-        weight_packed: :func:`w4a16_prepack` of the uint8 ``[N, K/2]`` int4 weight (same device).
-        scales: ``[N, K/G]`` in ``a.dtype``, contiguous.
-        zeros: ``[N, K/G]`` in ``a.dtype`` (scale+zero mode), or None (scale-only mode).
+        weight_packed: :func:`w4a16_prepack` of the uint8 ``[N, K/2]`` int4 weight (same device);
+            ``N`` a multiple of 16.
+        scales: ``[N, K/G]`` in ``a.dtype``, contiguous or N-major (:func:`n_major`, the layout
+            the CUDA kernels read; a contiguous one is transposed on every CUDA call).
+        zeros: ``[N, K/G]`` in ``a.dtype`` (scale+zero mode), or None (scale-only mode); same
+            layouts as ``scales``.
         group_size: 64 or 128.
+        config: CUDA only, keyword-only performance knob: ``"auto"`` (the table's choice by
+            problem size, ``cutlass_kernels/w8a8_configs.py``) or the name of a w4a16 config
+            there (a CUTLASS tile config or ``"gemv"``, the decode GEMV for M <= 16). The CPU
+            reference ignores it.
     Returns:
         ``[M, N]`` in ``a.dtype``.
     """
-    return torch.ops.qops.w4a16_gemm(a, weight_packed, scales, zeros, group_size)
+    return torch.ops.qops.w4a16_gemm(a, weight_packed, scales, zeros, group_size, config=config)
