@@ -7,6 +7,8 @@
 #include <cuda_runtime_api.h>
 #include <torch/library.h>
 
+#include <atomic>
+#include <mutex>
 #include <string>
 #include <type_traits>
 
@@ -135,4 +137,61 @@ namespace qops_glue {
 inline cudaStream_t current_stream() {
   return c10::cuda::getCurrentCUDAStream();
 }
+
+// ---- split counters ------------------------------------------------------------------------------
+// Split-K kernels that merge their own splits (the decode attention's fused merge, the W4A16
+// GEMV) find the last CTA of a group with an int32 counter per group. The counters must be 0 on
+// entry; the kernels leave them 0, so one buffer serves every op in turn (a kernel touches them
+// only after its PDL wait, when the previous kernel has finished). The decode attention merges with
+// them when num_splits > 1 (csrc/attention/paged_decode_int8.h): a call is one launch instead of
+// two. Where they live (docs/kv_cache.md, "The fused split merge"):
+//
+// - Normally in one small buffer per device, zeroed once (at::zeros, then a stream synchronize so
+//   that a launch on any stream sees the zeros) and never freed. Never freeing it is what makes it
+//   safe: a captured CUDA graph keeps its address forever, and there is no growth (a fixed size
+//   covers every split count the heuristic picks by far: num_splits > 1 only when the grid has
+//   fewer CTAs than half the SMs' slots, i.e. a few hundred groups) and so no old buffer that a
+//   kernel in flight on another stream or a graph could still use. It is not made while the
+//   current stream is capturing a graph (at::zeros would only be a node of that graph, run at
+//   replay, and the memory would come from the graph's private pool).
+// - Otherwise -- a call with more groups than the buffer holds (only a forced num_splits with a
+//   large batch), or the very first fused call on a device made during a graph capture -- in the
+//   per-call workspace, zeroed by a cudaMemsetAsync on the call's stream (a memset node when
+//   captured, so every replay re-zeroes). Correct everywhere, one extra memset.
+//
+// The shared buffer means that fused calls on one device must be ordered with each other (one
+// stream, or streams/graph replays synchronized with each other): two calls that can run at the
+// same time, e.g. concurrently replayed graphs or unsynchronized streams, would count into the
+// same counters and merge partial results. Such callers pass merge="separate". (A buffer
+// per stream would not help graphs: torch.cuda.graph captures on its own stream, never used
+// eagerly, so every capture would take the memset path.)
+inline constexpr int64_t kSharedSplitCounters = 4096;  // 16 KiB per device
+inline constexpr int kMaxDevices = 256;
+
+// The zeroed per-device counter buffer, or nullptr when `needed` counters do not fit or when it
+// does not exist yet and `stream` is capturing.
+inline int32_t* shared_split_counters(int device, cudaStream_t stream, int64_t needed,
+                                      const char* op) {
+  static std::atomic<int32_t*> buffers[kMaxDevices];  // static storage: all nullptr
+  static std::mutex mutex;
+  if (needed > kSharedSplitCounters || device < 0 || device >= kMaxDevices) return nullptr;
+  int32_t* ptr = buffers[device].load(std::memory_order_acquire);
+  if (ptr != nullptr) return ptr;
+  const std::lock_guard<std::mutex> lock(mutex);
+  ptr = buffers[device].load(std::memory_order_acquire);
+  if (ptr != nullptr) return ptr;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  check_launch(cudaStreamIsCapturing(stream, &capture), op);
+  if (capture != cudaStreamCaptureStatusNone) return nullptr;
+  // The caller's CUDAGuard made `device` current, so at::zeros runs on `stream`. The tensor is
+  // deliberately leaked: never freed, not even at exit (when CUDA may be torn down already).
+  const at::Device dev(at::kCUDA, static_cast<c10::DeviceIndex>(device));
+  auto* keep = new at::Tensor(
+      at::zeros({kSharedSplitCounters}, at::TensorOptions().dtype(at::kInt).device(dev)));
+  check_launch(cudaStreamSynchronize(stream), op);  // the zeros are in memory for every stream
+  ptr = keep->data_ptr<int32_t>();
+  buffers[device].store(ptr, std::memory_order_release);
+  return ptr;
+}
+
 }  // namespace qops_glue

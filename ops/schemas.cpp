@@ -38,7 +38,7 @@ TORCH_LIBRARY(qops, m) {
   m.def("w4a16_prepack(Tensor weight) -> Tensor");
   m.def(
       "w4a16_gemm(Tensor a, Tensor weight_packed, Tensor scales, Tensor? zeros,"
-      " int group_size, *, str config=\"auto\") -> Tensor");
+      " int group_size, *, str config=\"auto\", bool enable_pdl=True) -> Tensor");
 
   // ---- paged int8 KV cache ----------------------------------------------------------------
   m.def(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from . import envs
 from ._registry import HALF_DTYPES, check, check_dtype, export, fake, reference
 
 INT4_MIN = -8
@@ -185,6 +186,9 @@ def _w4a16_prepack_ref(weight: torch.Tensor) -> torch.Tensor:
 
 @fake("w4a16_prepack")
 def _w4a16_prepack_fake(weight):
+    if weight.device.type == "cuda":  # the shuffled layout's shape (docs/int4.md)
+        n, half_k = weight.shape
+        return weight.new_empty((2 * half_k // 16, n // 16, 128))
     return torch.empty_like(weight, memory_format=torch.contiguous_format)
 
 
@@ -193,13 +197,18 @@ def w4a16_prepack(weight: torch.Tensor) -> torch.Tensor:
     """Reorder int4 weights once, at load time, into the format :func:`w4a16_gemm` reads.
 
     The result is opaque and device-specific: only pass it to :func:`w4a16_gemm` on the same
-    device. On the CPU it is ``weight.contiguous()`` (a copy): the reference layout.
+    device. On the CPU it is ``weight.contiguous()`` (a copy): the reference layout. On CUDA it
+    is uint8 ``[K/16, N/16, 128]``: the 16 x 16 (n, k) atoms of the layout the CUTLASS
+    mixed-input kernels and the decode GEMV read (docs/int4.md), the same bytes for every M.
+    Its shape differs from the reference layout's, so an unprepacked weight passed to the CUDA
+    GEMM is refused instead of misread.
 
     Args:
-        weight: uint8 ``[N, K/2]`` in the int4 weight layout (:func:`pack_int4`), ``K`` a
-            multiple of 64.
+        weight: uint8 ``[N, K/2]`` in the int4 weight layout (:func:`pack_int4`), ``N`` a
+            multiple of 16, ``K`` a multiple of 64.
     Returns:
-        the prepacked weight (CPU: uint8 ``[N, K/2]``, contiguous, never aliasing ``weight``).
+        the prepacked weight (CPU: uint8 ``[N, K/2]``, contiguous, never aliasing ``weight``;
+        CUDA: uint8 ``[K/16, N/16, 128]``).
     """
     return torch.ops.qops.w4a16_prepack(weight)
 
@@ -222,6 +231,12 @@ def _check_w4a16_gemm(
         k > 0 and k % group_size == 0,
         op,
         f"K (a.shape[1] = {k}) must be a positive multiple of group_size ({group_size})",
+    )
+    check(
+        weight_packed.dim() != 3,
+        op,
+        f"weight_packed has the CUDA prepacked shape {tuple(weight_packed.shape)}; on {a.device} pass "
+        "w4a16_prepack's output for that device (the CPU layout is uint8 [N, K/2])",
     )
     _check_packed_weight(op, "weight_packed", weight_packed)
     n = weight_packed.shape[0]
@@ -260,6 +275,7 @@ def _w4a16_gemm_ref(
     group_size: int,
     *,
     config: str = "auto",
+    enable_pdl: bool = True,
 ) -> torch.Tensor:
     _check_w4a16_gemm(a, weight_packed, scales, zeros, group_size)
     w = dequantize_weight_int4(weight_packed, scales, zeros, group_size)  # [N, K] in a.dtype
@@ -267,7 +283,7 @@ def _w4a16_gemm_ref(
 
 
 @fake("w4a16_gemm")
-def _w4a16_gemm_fake(a, weight_packed, scales, zeros, group_size, *, config="auto"):
+def _w4a16_gemm_fake(a, weight_packed, scales, zeros, group_size, *, config="auto", enable_pdl=True):
     # N from scales: the prepacked weight's shape is device-specific.
     return a.new_empty((a.shape[0], scales.shape[0]))
 
@@ -281,6 +297,7 @@ def w4a16_gemm(
     group_size: int,
     *,
     config: str = "auto",
+    enable_pdl: bool | None = None,
 ) -> torch.Tensor:
     """int4-weight GEMM: ``a @ W.T`` with ``W`` dequantized group-wise along ``K``.
 
@@ -304,7 +321,11 @@ def w4a16_gemm(
             problem size, ``cutlass_kernels/w8a8_configs.py``) or the name of a w4a16 config
             there (a CUTLASS tile config or ``"gemv"``, the decode GEMV for M <= 16). The CPU
             reference ignores it.
+        enable_pdl: CUDA only: launch the hand-written GEMV with programmatic dependent launch
+            (None: the ``QOPS_PDL`` default, :mod:`qops.envs`).
     Returns:
         ``[M, N]`` in ``a.dtype``.
     """
-    return torch.ops.qops.w4a16_gemm(a, weight_packed, scales, zeros, group_size, config=config)
+    return torch.ops.qops.w4a16_gemm(
+        a, weight_packed, scales, zeros, group_size, config=config, enable_pdl=envs.pdl(enable_pdl)
+    )
