@@ -18,7 +18,6 @@ Times: medians of CUDA-graph replays over input sets rotated past L2.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import sys
 import warnings
@@ -28,6 +27,7 @@ import torch.nn.functional as F
 
 import qops
 from bench.bench_decode_attention import int8_bytes, int8_problem
+from bench.fbgemm_genai import load_fbgemm_genai
 from bench.shapes import ATTENTION_MODELS
 from qops.testing import (
     bar_plot,
@@ -50,20 +50,10 @@ FBGEMM_SPLITS = (8, 16, 32, 64)
 
 def load_fbgemm() -> bool:
     """Loads FBGEMM gen_ai's ops library (fbgemm-gpu-genai) without its package __init__."""
-    spec = importlib.util.find_spec("fbgemm_gpu")
-    if spec is None or not spec.submodule_search_locations:
-        return False
-    so = os.path.join(
-        list(spec.submodule_search_locations)[0], "experimental", "gen_ai", "fbgemm_gpu_experimental_gen_ai.so"
-    )
-    if not os.path.exists(so):
-        return False
-    try:
-        torch.ops.load_library(so)
-    except OSError as e:
-        print(f"fbgemm: {e}")
-        return False
-    return hasattr(torch.ops.fbgemm, "gqa_attn_splitk")
+    why = load_fbgemm_genai()
+    if why:
+        print(f"fbgemm: {why}")
+    return not why and hasattr(torch.ops.fbgemm, "gqa_attn_splitk")
 
 
 def int4_problem(B, HQ, HKV, D, T, groups, seed, window=0, sinks=0):
