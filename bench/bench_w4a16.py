@@ -232,6 +232,9 @@ def run_layer(layer, n, k, tokens, variants, anchors, group, zeros, dtype, copy_
                 notes[name] = f"{name}: {_short(e)}"
                 continue
             makers[name] = lambda i, name=name, acts=acts: variant_call(name, acts[i], sets[i], group)
+        # The read floor: a reduction that only reads the same prepacked weight bytes (for layers
+        # too small to reach the copy bandwidth: launch, first round trip and drain).
+        makers["floor"] = lambda i: lambda w=sets[i]["qops"][0]: w.view(torch.int32).sum(dtype=torch.int32)
         times = time_variants(makers, n_sets, notes)
         for name in variants + list(anchors):
             times.setdefault(name, math.nan)
@@ -248,6 +251,8 @@ def run_layer(layer, n, k, tokens, variants, anchors, group, zeros, dtype, copy_
             "qops_us": us,
             "w_GBps": w_bytes / us * 1e-3,
             "w_of_copy": w_bytes / us * 1e-3 / copy_gbps,
+            "floor_us": times.get("floor", math.nan),
+            "of_floor": times.get("floor", math.nan) / us,
             "of_copy": moved / us * 1e-3 / copy_gbps,
             "TFLOPs": 2.0 * m * n * k / us * 1e-6,
         }
@@ -279,7 +284,8 @@ def run_layer(layer, n, k, tokens, variants, anchors, group, zeros, dtype, copy_
             if err > ERR_LIMIT:
                 print(f"  WARNING: {name} differs from bf16 cuBLAS by {err:.3g} (relative L2): layout?", flush=True)
         print(
-            f"{layer:14s} M={m:5d}: qops {us:8.1f} us {r['w_GBps']:6.0f} GB/s ({r['w_of_copy']:.2f} of copy)  "
+            f"{layer:14s} M={m:5d}: qops {us:8.1f} us {r['w_GBps']:6.0f} GB/s ({r['w_of_copy']:.2f} of copy, "
+            f"{r['of_floor']:.2f} of floor)  "
             + "  ".join(
                 f"{a} {r[f'{a}_us']:7.1f} (x{r[f'vs_{a}']:.2f})" for a in ANCHORS if not math.isnan(r[f"{a}_us"])
             )
@@ -429,6 +435,8 @@ def main() -> int:
             "qops_us",
             *[f"{v}_us" for v in variants[1:]],
             "w_of_copy",
+            "floor_us",
+            "of_floor",
             *[f"{a}_us" for a in ANCHORS],
             "vs_cublas",
             "vs_tinygemm",
