@@ -350,11 +350,20 @@ Plan plan(const Problem& p, int sm_count) {
   return pl;
 }
 
+template <typename T, int kTok, int kKb, bool kZeros>
+cudaError_t launch_one(const Params& kp, dim3 grid, cudaStream_t stream, bool pdl) {
+  constexpr size_t smem = static_cast<size_t>(kWarps) * kRingBytesPerWarp;
+  static const cudaError_t attr = cudaFuncSetAttribute(
+      gemv_kernel<T, kTok, kKb, kZeros>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (attr != cudaSuccess) return attr;
+  return launch_kernel_smem(gemv_kernel<T, kTok, kKb, kZeros>, grid, dim3(kThreads), smem, stream,
+                            pdl, kp);
+}
+
 template <typename T, int kTok, int kKb>
 cudaError_t launch_typed(const Params& kp, dim3 grid, bool zeros, cudaStream_t stream, bool pdl) {
-  if (zeros)
-    return launch_kernel(gemv_kernel<T, kTok, kKb, true>, grid, dim3(kThreads), stream, pdl, kp);
-  return launch_kernel(gemv_kernel<T, kTok, kKb, false>, grid, dim3(kThreads), stream, pdl, kp);
+  return zeros ? launch_one<T, kTok, kKb, true>(kp, grid, stream, pdl)
+               : launch_one<T, kTok, kKb, false>(kp, grid, stream, pdl);
 }
 
 template <typename T>
