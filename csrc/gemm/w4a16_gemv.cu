@@ -1,10 +1,8 @@
 // The W4A16 decode GEMV and the weight prepack (gemm/w4a16.h). Torch-free.
 //
 // Each CTA owns 64 rows of N (four 16-row blocks) and up to 16 tokens, and a range of the K groups;
-// its 8 warps take one group at a time. The four atoms of a K slice are 512 contiguous bytes, so a
-// warp copies a group (4 row blocks x G/16 K slices) into its own shared-memory ring with 16-byte
-// cp.async (kStages groups in flight per warp, 8 KB), then reads a lane's words back conflict-free
-// (word L of each atom) and computes:
+// its 8 warps take one group at a time. For a group a warp loads every 32-bit word of its atoms
+// (4 row blocks x G/16 K slices, one coalesced 128-byte line per atom per warp) before it computes:
 //  - A = the raw nibbles as halves OFF + q (one mask+xor per register: 1032 + q in fp16, 136 + q in
 //    bf16, both exact), straight from the shuffled layout into mma.sync m16n8k16 fragments;
 //  - B = the activations (token g of the lane, 2 x 32-bit loads per K slice, L1-resident);
@@ -29,19 +27,6 @@ constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
 constexpr int kRowBlocks = 4;  // 16-row blocks per CTA
 constexpr int kMaxTokens = 16;
-constexpr int kRingBytesPerWarp = 8192;  // kStages groups of kKb x 512 bytes
-
-__device__ __forceinline__ void cp_async16(uint32_t smem, const void* src, bool pred) {
-  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(src),
-               "r"(pred ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::);
-}
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
-}
 
 template <typename T>
 struct Int4Half;
@@ -75,6 +60,12 @@ __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint3
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
+}
+
+__device__ __forceinline__ uint32_t load_weight(const uint32_t* ptr) {
+  uint32_t v;
+  asm volatile("ld.global.nc.L1::no_allocate.b32 %0, [%1];\n" : "=r"(v) : "l"(ptr));
+  return v;
 }
 
 template <typename T>
@@ -111,20 +102,9 @@ struct Params {
 };
 
 // kTok: MMA n-tiles of 8 tokens (1 or 2); kKb: 16-wide K slices per group (G / 16).
-template <int kKb>
-constexpr int stages() {
-  return kRingBytesPerWarp / (kKb * kRowBlocks * 128);
-}
-
 template <typename T, int kTok, int kKb, bool kZeros>
 __global__ void __launch_bounds__(kThreads, 2) gemv_kernel(const Params p) {
-  constexpr int kStages = stages<kKb>();
-  constexpr int kStageWords = kKb * kRowBlocks * 32;
-  // The weight rings while the warps stream, then the warps' partial sums.
-  extern __shared__ __align__(16) uint32_t smem[];
-  static_assert(kWarps * kRowBlocks * kTok * 4 * 32 <= kWarps * kStages * kStageWords, "smem");
-  float (*red)[kRowBlocks * kTok * 4][32] =
-      reinterpret_cast<float (*)[kRowBlocks * kTok * 4][32]>(smem);
+  __shared__ float red[kWarps][kRowBlocks * kTok * 4][32];
   __shared__ bool last_cta;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -154,33 +134,20 @@ __global__ void __launch_bounds__(kThreads, 2) gemv_kernel(const Params p) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[r][tt][e] = 0.0f;
 
-  // This warp's groups: g_begin + warp + kWarps i, i < my_groups.
-  const int my_groups = g_end - g_begin > warp ? (g_end - g_begin - warp + kWarps - 1) / kWarps : 0;
-  uint32_t* ring = smem + warp * kStages * kStageWords;
-  const uint32_t ring_addr = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
-  // Lane l copies bytes [16 l, 16 l + 16) of each K slice's 512-byte run: row block nb0 + l / 8.
-  const bool lane_rows = nb0 + (lane >> 3) < p.row_blocks;
-  const uint8_t* wbytes = reinterpret_cast<const uint8_t*>(p.w);
-  auto issue = [&](int i) {
-    if (i < my_groups) {
-      const int gi = g_begin + warp + i * kWarps;
-      const uint32_t dst = ring_addr + (i % kStages) * kStageWords * 4 + lane * 16;
+  bool waited = false;
+  for (int gi = g_begin + warp; gi < g_end; gi += kWarps) {
+    // The group's weights: every load first (4 x kKb words per lane in flight).
+    uint32_t wq[kKb][kRowBlocks];
 #pragma unroll
-      for (int j = 0; j < kKb; ++j) {
-        const int64_t slice = static_cast<int64_t>(gi) * kKb + j;
-        const uint8_t* src = wbytes + (slice * p.row_blocks + nb0) * 128 + lane * 16;
-        cp_async16(dst + j * kRowBlocks * 128, lane_rows ? src : wbytes, lane_rows);
+    for (int j = 0; j < kKb; ++j) {
+      const int64_t slice = static_cast<int64_t>(gi) * kKb + j;
+#pragma unroll
+      for (int r = 0; r < kRowBlocks; ++r) {
+        const int nb = nb0 + r;
+        wq[j][r] =
+            nb < p.row_blocks ? load_weight(p.w + (slice * p.row_blocks + nb) * 32 + lane) : 0u;
       }
     }
-    cp_async_commit();  // (empty groups keep the count uniform)
-  };
-#pragma unroll
-  for (int i = 0; i < kStages - 1; ++i) issue(i);
-  pdl_wait();  // the activations may come from the previous kernel (PDL)
-
-  for (int i = 0; i < my_groups; ++i) {
-    const int gi = g_begin + warp + i * kWarps;
-    issue(i + kStages - 1);
     float s_lo[kRowBlocks], s_hi[kRowBlocks], z_lo[kRowBlocks], z_hi[kRowBlocks];
 #pragma unroll
     for (int r = 0; r < kRowBlocks; ++r) {
@@ -192,9 +159,10 @@ __global__ void __launch_bounds__(kThreads, 2) gemv_kernel(const Params p) {
       z_lo[r] = kZeros && ok ? to_float(zeros[at]) : 0.0f;
       z_hi[r] = kZeros && ok ? to_float(zeros[at + 8]) : 0.0f;
     }
-    cp_async_wait<kStages - 1>();  // group i has landed
-    __syncwarp();
-    const uint32_t* stage = ring + (i % kStages) * kStageWords;
+    if (!waited) {  // the activations may come from the previous kernel (PDL)
+      pdl_wait();
+      waited = true;
+    }
     float part[kRowBlocks][kTok][4];
     float sx[kTok][4];
 #pragma unroll
@@ -217,7 +185,7 @@ __global__ void __launch_bounds__(kThreads, 2) gemv_kernel(const Params p) {
       }
 #pragma unroll
       for (int r = 0; r < kRowBlocks; ++r) {
-        const uint32_t w = stage[(j * kRowBlocks + r) * 32 + lane];
+        const uint32_t w = wq[j][r];
         const uint32_t frag[4] = {(w & 0x000F000Fu) ^ Int4Half<T>::kXor,
                                   ((w >> 4) & 0x000F000Fu) ^ Int4Half<T>::kXor,
                                   ((w >> 8) & 0x000F000Fu) ^ Int4Half<T>::kXor,
@@ -241,11 +209,9 @@ __global__ void __launch_bounds__(kThreads, 2) gemv_kernel(const Params p) {
         }
       }
     }
-    __syncwarp();  // every lane has read stage i % kStages before it is refilled
   }
-  cp_async_wait<0>();
+  if (!waited) pdl_wait();  // before any write (the previous kernel may still read d's memory)
   pdl_launch_dependents();
-  __syncthreads();  // the rings become the reduction buffer
 
   // The warps' partials -> shared memory -> one sum per (row, token).
 #pragma unroll
@@ -350,20 +316,11 @@ Plan plan(const Problem& p, int sm_count) {
   return pl;
 }
 
-template <typename T, int kTok, int kKb, bool kZeros>
-cudaError_t launch_one(const Params& kp, dim3 grid, cudaStream_t stream, bool pdl) {
-  constexpr size_t smem = static_cast<size_t>(kWarps) * kRingBytesPerWarp;
-  static const cudaError_t attr = cudaFuncSetAttribute(
-      gemv_kernel<T, kTok, kKb, kZeros>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  if (attr != cudaSuccess) return attr;
-  return launch_kernel_smem(gemv_kernel<T, kTok, kKb, kZeros>, grid, dim3(kThreads), smem, stream,
-                            pdl, kp);
-}
-
 template <typename T, int kTok, int kKb>
 cudaError_t launch_typed(const Params& kp, dim3 grid, bool zeros, cudaStream_t stream, bool pdl) {
-  return zeros ? launch_one<T, kTok, kKb, true>(kp, grid, stream, pdl)
-               : launch_one<T, kTok, kKb, false>(kp, grid, stream, pdl);
+  if (zeros)
+    return launch_kernel(gemv_kernel<T, kTok, kKb, true>, grid, dim3(kThreads), stream, pdl, kp);
+  return launch_kernel(gemv_kernel<T, kTok, kKb, false>, grid, dim3(kThreads), stream, pdl, kp);
 }
 
 template <typename T>
