@@ -1,5 +1,7 @@
-"""The w8a8 GEMM kernel table: the one place that says which int8 GEMMs are generated and which
-one ``qops.w8a8_gemm`` picks for a problem.
+"""The GEMM kernel table: the one place that says which GEMMs are generated and which one an op
+picks for a problem, for each family: ``w8a8`` (int8 x int8, dequantizing epilogue,
+``qops.w8a8_gemm``) and ``w4a16`` (int4 weights with group scales x fp16/bf16 activations, the
+Hopper mixed-input GEMM of CUTLASS example 55, ``qops.w4a16_gemm``).
 
 Pure data (no CUTLASS import), so the tests and benchmarks can read it too. ``gen_w8a8.py`` turns
 every (tile config x output dtype x scale mode) into one generated kernel, and ``SELECTION`` into
@@ -8,8 +10,14 @@ a minute of one core each to compile (nvcc 13): add one only with a sweep that s
 wins.
 
 Tile configs are named by the CTA tile (M x N x K), the cluster shape and the kernel schedule;
-the name is the ``config=`` value that ``qops.w8a8_gemm`` accepts. Hand-written kernels in csrc/
-join the table as ``HAND_WRITTEN`` configs: same Problem, same dispatch, same tuner.
+the name is the ``config=`` value that the family's op accepts. Hand-written kernels in csrc/
+join the table as ``HAND_WRITTEN`` configs: same Problem, same dispatch, same tuner. Each family
+is a row list (``CONFIGS``, ``HAND_WRITTEN``, ``SELECTION``) in ``FAMILIES``; every function takes
+``family=`` (default ``"w8a8"``).
+
+In the w4a16 family the GEMM runs transposed, as in example 55: the int4 weight [N, K] is operand
+A (it must be the register-sourced wgmma operand to be converted), so a tile's M is the weights'
+N and its N the tokens (M of the op); K tiles of 64 serve groups of 64 and 128.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ class TileConfig:
     # that all SMs work when there are fewer tiles than SMs (decode at small N), and the last CTA
     # of a tile reduces the partial int32 accumulators (exact) from a workspace.
     stream_k: bool = False
+    family: str = "w8a8"
     # Relative throughput per output element when every SM is busy (from the sweep), used only to
     # choose between a rule's candidates by their wave quantization (select_config).
     rate: float = 1.0
@@ -79,12 +88,33 @@ class HandWritten:
     header: str
     function: str
     max_m: int
+    family: str = "w8a8"
 
 
 HAND_WRITTEN: tuple[HandWritten, ...] = (
     # Decode: split-K GEMV, 8 or 16 rows of N per CTA with K split over its 4 or 8 warps, so
     # that every SM streams weights (csrc/gemm/w8a8_gemv.cu; docs/w8a8_gemm.md).
     HandWritten("gemv", "gemm/w8a8_gemv.h", "qops::w8a8_sm90::gemv", max_m=16),
+)
+
+
+# ---- w4a16 (mixed input: int4 weights x fp16/bf16) ---------------------------------------------
+# Output dtype = activation dtype (fp16, bf16); modes: scale-only ("scale") and scale + zero ("zero").
+W4A16_DTYPES = ("float16", "bfloat16")
+W4A16_MODES = ("scale", "zero")
+
+W4A16_CONFIGS: tuple[TileConfig, ...] = (
+    # Batched decode / short prefill: 32 tokens per tile, 128 weight rows.
+    TileConfig((128, 32, 64), (1, 1, 1), "cooperative", family="w4a16"),
+    # Medium M.
+    TileConfig((128, 128, 64), (1, 1, 1), "cooperative", family="w4a16"),
+    # Prefill: the widest token tile.
+    TileConfig((128, 256, 64), (1, 1, 1), "cooperative", family="w4a16"),
+)
+
+W4A16_HAND_WRITTEN: tuple[HandWritten, ...] = (
+    # Decode: the split-K mma.sync GEMV on the same prepacked weights (csrc/gemm/w4a16_gemv.cu).
+    HandWritten("gemv", "gemm/w4a16.h", "qops::w4a16::gemv", max_m=16, family="w4a16"),
 )
 
 
@@ -155,6 +185,24 @@ SELECTION: tuple[Rule, ...] = (
     Rule(("128x256x128_c2x1x1_cooperative", "128x128x128_c2x1x1_pingpong", "128x128x128_c1x1x1_cooperative_streamk")),
 )
 
+# w4a16: m, n, k are the op's (tokens, weight rows, K). A first table, to be refined by a sweep:
+# the GEMV up to 16 tokens, then token tiles of 32, 128 and 256 by M. Single picks only: the tiles
+# are transposed in this family (tile M over the op's N), which fewest_waves does not model.
+W4A16_SELECTION: tuple[Rule, ...] = (
+    Rule("gemv", max_m=16),
+    Rule("128x32x64_c1x1x1_cooperative", max_m=32),
+    Rule("128x128x64_c1x1x1_cooperative", max_m=256),
+    Rule("128x256x64_c1x1x1_cooperative"),
+)
+
+
+@dataclass(frozen=True)
+class Family:
+    configs: tuple[TileConfig, ...]
+    hand_written: tuple[HandWritten, ...]
+    selection: tuple[Rule, ...]
+
+
 DEFAULT_SMS = 132  # H100 SXM
 
 # Measured per-shape choice (tools/tune_w8a8_gemm.py): for the tuned (N, K) on a GPU with the
@@ -183,19 +231,26 @@ def tuned_config(m: int, n: int, k: int, num_sms: int) -> str | None:
     return next((c for max_m, c in picks if m <= max_m), picks[-1][1])
 
 
-def config_names(m: int | None = None) -> list[str]:
-    """Every config's name (the generated tile configs, then the hand-written kernels), in the
-    dispatch table's order; with `m`, only those that serve problems of m rows."""
-    return [c.name for c in CONFIGS] + [h.name for h in HAND_WRITTEN if m is None or m <= h.max_m]
+FAMILIES: dict[str, Family] = {
+    "w8a8": Family(CONFIGS, HAND_WRITTEN, SELECTION),
+    "w4a16": Family(W4A16_CONFIGS, W4A16_HAND_WRITTEN, W4A16_SELECTION),
+}
 
 
-def config_max_m(name: str) -> int | None:
+def config_names(m: int | None = None, *, family: str = "w8a8") -> list[str]:
+    """Every config's name of a family (the generated tile configs, then the hand-written kernels),
+    in the dispatch table's order; with `m`, only those that serve problems of m rows."""
+    f = FAMILIES[family]
+    return [c.name for c in f.configs] + [h.name for h in f.hand_written if m is None or m <= h.max_m]
+
+
+def config_max_m(name: str, *, family: str = "w8a8") -> int | None:
     """The largest M config `name` serves (None: any)."""
-    return next((h.max_m for h in HAND_WRITTEN if h.name == name), None)
+    return next((h.max_m for h in FAMILIES[family].hand_written if h.name == name), None)
 
 
-def _by_name() -> dict[str, TileConfig]:
-    return {c.name: c for c in CONFIGS}
+def _by_name(family: str = "w8a8") -> dict[str, TileConfig]:
+    return {c.name: c for c in FAMILIES[family].configs}
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -217,13 +272,13 @@ def wave_cost(cfg: TileConfig, m: int, n: int, num_sms: int) -> float:
     return rounds * cfg.cta[0] * cfg.cta[1] / cfg.rate
 
 
-def select_config(m: int, n: int, k: int, num_sms: int = DEFAULT_SMS) -> str:
+def select_config(m: int, n: int, k: int, num_sms: int = DEFAULT_SMS, *, family: str = "w8a8") -> str:
     """The config ``config="auto"`` picks (the generated C++ ``select_config`` is this function)."""
-    tuned = tuned_config(m, n, k, num_sms)
+    tuned = tuned_config(m, n, k, num_sms) if family == "w8a8" else None
     if tuned is not None:
         return tuned
-    configs = _by_name()
-    for r in SELECTION:
+    configs = _by_name(family)
+    for r in FAMILIES[family].selection:
         if all(b is None or v <= b for v, b in ((m, r.max_m), (n, r.max_n), (k, r.max_k))):
             if isinstance(r.pick, str):
                 return r.pick
@@ -232,18 +287,40 @@ def select_config(m: int, n: int, k: int, num_sms: int = DEFAULT_SMS) -> str:
 
 
 def check_table() -> None:
-    names = config_names()
-    assert len(set(names)) == len(names), "duplicate tile configs"
-    last = SELECTION[-1] if SELECTION else None
+    for family in FAMILIES:
+        _check_family(family)
+    assert all(isinstance(r.pick, str) for r in W4A16_SELECTION), "w4a16 rules pick one config each"
+    for c in W4A16_CONFIGS:
+        assert c.cta[2] == 64 and not c.stream_k, f"{c.name}: w4a16 tiles take K = 64 (groups of 64 and 128)"
+    _check_w8a8_extras()
+
+
+def _check_family(family: str) -> None:
+    f = FAMILIES[family]
+    assert all(c.family == family for c in f.configs) and all(h.family == family for h in f.hand_written)
+    names = config_names(family=family)
+    assert len(set(names)) == len(names), f"{family}: duplicate tile configs"
+    last = f.selection[-1] if f.selection else None
     assert last and last.max_m is last.max_n is last.max_k is None, "the last rule must match every problem"
-    for r in SELECTION:
+    for r in f.selection:
         for name in (r.pick,) if isinstance(r.pick, str) else r.pick:
-            assert name in names, f"SELECTION names an unknown config {name}"
-            limit = config_max_m(name)
+            assert name in names, f"{family} SELECTION names an unknown config {name}"
+            limit = config_max_m(name, family=family)
             assert isinstance(r.pick, str) or limit is None, f"{name} cannot be a wave-quantization candidate"
             assert limit is None or (r.max_m is not None and r.max_m <= limit), (
                 f"a rule picks {name} for M beyond its max_m = {limit}"
             )
+    for h in f.hand_written:
+        assert h.max_m >= 1 and h.header.endswith(".h") and "::" in h.function, h
+    for c in f.configs:
+        assert c.schedule in ("ws", "pingpong", "cooperative"), c
+        assert c.schedule != "cooperative" or c.cta[0] >= 128, f"{c.name}: cooperative needs CTA M >= 128"
+        assert c.cta[2] % 64 == 0 and c.cluster[2] == 1, c
+        assert not c.stream_k or c.schedule == "cooperative", f"{c.name}: stream-K needs the cooperative schedule"
+
+
+def _check_w8a8_extras() -> None:
+    names = config_names()
     for (n, k), picks in TUNED.items():
         for max_m, name in picks:
             assert name in names, f"{TUNED_PATH}: N={n} K={k} names an unknown config {name}"
@@ -254,10 +331,3 @@ def check_table() -> None:
     assert shapes and len(set(shapes)) == len(shapes), "GEMV_SHAPES is empty or repeats a shape"
     for r, w, c in shapes:
         assert r in (8, 16) and w in (4, 8) and c in (2, 4, 8), f"GEMV shape {(r, w, c)} has no kernel build"
-    for h in HAND_WRITTEN:
-        assert h.max_m >= 1 and h.header.endswith(".h") and "::" in h.function, h
-    for c in CONFIGS:
-        assert c.schedule in ("ws", "pingpong", "cooperative"), c
-        assert c.schedule != "cooperative" or c.cta[0] >= 128, f"{c.name}: cooperative needs CTA M >= 128"
-        assert c.cta[2] % 64 == 0 and c.cluster[2] == 1, c
-        assert not c.stream_k or c.schedule == "cooperative", f"{c.name}: stream-K needs the cooperative schedule"

@@ -224,17 +224,32 @@ def test_generator_is_deterministic_and_emits_the_table(tmp_path):
     outs = [_generate(tmp_path / d) for d in ("one", "two")]
     assert outs[0] == outs[1], "the generator is not deterministic"
     files = outs[0]
-    # one file per kernel, the dispatch table and the two plain-data headers
-    assert len(files) == len(table.CONFIGS) * len(table.OUT_DTYPES) * len(table.SCALE_MODES) + 3
-    assert {"w8a8_dispatch.cu", "w8a8_select.h", "w8a8_gemv_shapes.h"} <= set(files)
+    # one file per kernel of each family, their dispatch tables and the three plain-data headers
+    w8a8 = len(table.CONFIGS) * len(table.OUT_DTYPES) * len(table.SCALE_MODES)
+    w4a16 = len(table.W4A16_CONFIGS) * len(table.W4A16_DTYPES) * len(table.W4A16_MODES)
+    assert len(files) == w8a8 + w4a16 + 5
+    assert {"w8a8_dispatch.cu", "w8a8_select.h", "w8a8_gemv_shapes.h", "w4a16_dispatch.cu", "w4a16_select.h"} <= set(
+        files
+    )
     assert _generate(tmp_path / "headers", "--headers-only") == {
-        n: files[n] for n in ("w8a8_select.h", "w8a8_gemv_shapes.h")
+        n: files[n] for n in ("w8a8_select.h", "w8a8_gemv_shapes.h", "w4a16_select.h")
     }
+    for cfg in table.W4A16_CONFIGS:
+        m, n, k = cfg.cta
+        kernels = [t for name, t in files.items() if name.startswith(f"w4a16_{cfg.name}")]
+        assert len(kernels) == len(table.W4A16_DTYPES) * len(table.W4A16_MODES)
+        for text in kernels:
+            assert f"cute::Shape<cute::_{m}, cute::_{n}, cute::_{k}>" in text
+            # the shuffled weight layout, through qops' copy of CUTLASS's reordering atom
+            assert "qops::w4a16_sm90::compute_memory_reordering_atom<" in text
+            assert "cutlass::compute_memory_reordering_atom" not in text
+    for name in table.config_names(family="w4a16"):
+        assert f'"{name}"' in files["w4a16_dispatch.cu"]
     for cfg in table.CONFIGS:
         m, n, k = cfg.cta
         cm, cn, ck = cfg.cluster
         for name, text in files.items():
-            if cfg.name in name:
+            if cfg.name in name and name.startswith("w8a8_"):
                 # The emitted CTA tile and cluster are the table's (not the cluster's tile).
                 assert f"cute::Shape<cute::_{m}, cute::_{n}, cute::_{k}>" in text
                 assert f"cute::Shape<cute::_{cm},cute::_{cn},cute::_{ck}>" in text
@@ -268,10 +283,11 @@ def test_generated_selection_matches_the_table(tmp_path):
     problems = [(m, n, k, sms) for (n, k) in shapes for m in ms for sms in (132, 114, 78)]
     main_cc = tmp_path / "main.cc"
     main_cc.write_text(
-        '#include <cstdio>\n#include "w8a8_select.h"\n'
+        '#include <cstdio>\n#include "w8a8_select.h"\n#include "w4a16_select.h"\n'
         "int main() {\n  int m, n, k, s;\n"
         '  while (std::scanf("%d %d %d %d", &m, &n, &k, &s) == 4)\n'
-        '    std::printf("%d\\n", qops::w8a8_sm90::select::select_config(m, n, k, s));\n}\n'
+        '    std::printf("%d %d\\n", qops::w8a8_sm90::select::select_config(m, n, k, s),\n'
+        "                qops::w4a16_sm90::select::select_config(m, n, k, s));\n}\n"
     )
     exe = tmp_path / "select"
     r = subprocess.run(
@@ -288,8 +304,12 @@ def test_generated_selection_matches_the_table(tmp_path):
         check=True,
     )
     names = table.config_names()
-    got = [names[int(x)] for x in r.stdout.split()]
-    want = [table.select_config(m, n, k, s) for m, n, k, s in problems]
+    names4 = table.config_names(family="w4a16")
+    pairs = [line.split() for line in r.stdout.splitlines()]
+    got = [(names[int(a)], names4[int(b)]) for a, b in pairs]
+    want = [
+        (table.select_config(m, n, k, s), table.select_config(m, n, k, s, family="w4a16")) for m, n, k, s in problems
+    ]
     assert len(got) == len(problems)
     bad = [(p, g, w) for p, g, w in zip(problems, got, want) if g != w]
     assert not bad, bad[:10]
