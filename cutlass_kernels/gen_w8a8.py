@@ -453,8 +453,9 @@ def _selection_code(family: str = "w8a8") -> str:
         if isinstance(r.pick, str):
             ret = f"return {index[r.pick]};  // {r.pick}"
         else:
+            dims = "n, m" if table.FAMILIES[family].transposed else "m, n"
             ret = (
-                f"return fewest_waves({{{', '.join(str(index[c]) for c in r.pick)}}}, m, n, num_sms);"
+                f"return fewest_waves({{{', '.join(str(index[c]) for c in r.pick)}}}, {dims}, num_sms);"
                 f"  // {' | '.join(r.pick)}"
             )
         lines.append(f"  if ({' && '.join(conds)}) {ret}" if conds else f"  {ret}")

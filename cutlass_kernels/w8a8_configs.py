@@ -103,12 +103,15 @@ HAND_WRITTEN: tuple[HandWritten, ...] = (
 W4A16_DTYPES = ("float16", "bfloat16")
 W4A16_MODES = ("scale", "zero")
 
+# Rates: throughput per output element with every SM busy, relative to the 128x256 tile (H100,
+# bench_w4a16 --configs ..., M = 4096 on the 7B / 8B / 70B-tp8 layers: 1.19x and 2.98x its time).
 W4A16_CONFIGS: tuple[TileConfig, ...] = (
-    # Batched decode / short prefill: 32 tokens per tile, 128 weight rows.
-    TileConfig((128, 32, 64), (1, 1, 1), "cooperative", family="w4a16"),
+    # Batched decode / short prefill: 32 tokens per tile, so that N / 128 x M / 32 tiles fill the
+    # SMs where N / 128 alone does not (N = 4096: 32 row tiles).
+    TileConfig((128, 32, 64), (1, 1, 1), "cooperative", family="w4a16", rate=0.335),
     # Medium M.
-    TileConfig((128, 128, 64), (1, 1, 1), "cooperative", family="w4a16"),
-    # Prefill: the widest token tile.
+    TileConfig((128, 128, 64), (1, 1, 1), "cooperative", family="w4a16", rate=0.84),
+    # Prefill: the widest token tile; 0.96-1.03x bf16 cuBLAS at M >= 1024 on the 7B / 8B layers.
     TileConfig((128, 256, 64), (1, 1, 1), "cooperative", family="w4a16"),
 )
 
@@ -185,14 +188,14 @@ SELECTION: tuple[Rule, ...] = (
     Rule(("128x256x128_c2x1x1_cooperative", "128x128x128_c2x1x1_pingpong", "128x128x128_c1x1x1_cooperative_streamk")),
 )
 
-# w4a16: m, n, k are the op's (tokens, weight rows, K). A first table, to be refined by a sweep:
-# the GEMV up to 16 tokens, then token tiles of 32, 128 and 256 by M. Single picks only: the tiles
-# are transposed in this family (tile M over the op's N), which fewest_waves does not model.
+# w4a16: m, n, k are the op's (tokens, weight rows, K). From the same sweep (docs/w4a16_gemm.md):
+# the GEMV up to 16 tokens, then the tile whose busiest SM has the least work (wave_cost on the
+# transposed problem: tiles of 128 weight rows x 32/128/256 tokens). E.g. M = 64: 32-token tiles
+# where N / 128 x 2 tiles fit one wave (4096 x 4096: 19.4 us against 25.2 for 128 tokens), else
+# 128; M >= 1024: 256 except where its tiles leave more of a wave idle (8B qkv, M = 1024).
 W4A16_SELECTION: tuple[Rule, ...] = (
     Rule("gemv", max_m=16),
-    Rule("128x32x64_c1x1x1_cooperative", max_m=32),
-    Rule("128x128x64_c1x1x1_cooperative", max_m=256),
-    Rule("128x256x64_c1x1x1_cooperative"),
+    Rule(("128x32x64_c1x1x1_cooperative", "128x128x64_c1x1x1_cooperative", "128x256x64_c1x1x1_cooperative")),
 )
 
 
@@ -201,6 +204,8 @@ class Family:
     configs: tuple[TileConfig, ...]
     hand_written: tuple[HandWritten, ...]
     selection: tuple[Rule, ...]
+    # The GEMM runs transposed (tile M over the op's N, tile N over its M): the wave model swaps m, n.
+    transposed: bool = False
 
 
 DEFAULT_SMS = 132  # H100 SXM
@@ -233,7 +238,7 @@ def tuned_config(m: int, n: int, k: int, num_sms: int) -> str | None:
 
 FAMILIES: dict[str, Family] = {
     "w8a8": Family(CONFIGS, HAND_WRITTEN, SELECTION),
-    "w4a16": Family(W4A16_CONFIGS, W4A16_HAND_WRITTEN, W4A16_SELECTION),
+    "w4a16": Family(W4A16_CONFIGS, W4A16_HAND_WRITTEN, W4A16_SELECTION, transposed=True),
 }
 
 
@@ -282,14 +287,14 @@ def select_config(m: int, n: int, k: int, num_sms: int = DEFAULT_SMS, *, family:
         if all(b is None or v <= b for v, b in ((m, r.max_m), (n, r.max_n), (k, r.max_k))):
             if isinstance(r.pick, str):
                 return r.pick
-            return min(r.pick, key=lambda name: wave_cost(configs[name], m, n, num_sms))  # first on ties
+            wm, wn = (n, m) if FAMILIES[family].transposed else (m, n)
+            return min(r.pick, key=lambda name: wave_cost(configs[name], wm, wn, num_sms))  # first on ties
     raise AssertionError("the last SELECTION rule must match every problem")
 
 
 def check_table() -> None:
     for family in FAMILIES:
         _check_family(family)
-    assert all(isinstance(r.pick, str) for r in W4A16_SELECTION), "w4a16 rules pick one config each"
     for c in W4A16_CONFIGS:
         assert c.cta[2] == 64 and not c.stream_k, f"{c.name}: w4a16 tiles take K = 64 (groups of 64 and 128)"
     _check_w8a8_extras()

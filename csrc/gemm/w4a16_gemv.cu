@@ -1,7 +1,7 @@
 // The W4A16 decode GEMV and the weight prepack (gemm/w4a16.h). Torch-free.
 //
-// Each CTA owns 64 rows of N (four 16-row blocks; 32 rows above 8 tokens) and up to 16 tokens,
-// and a range of the K groups; its 8 warps take one group at a time. For a group a warp loads every 32-bit word of its atoms
+// Each CTA owns 64 rows of N (four 16-row blocks) and up to 16 tokens, and a range of the K groups;
+// its 8 warps take one group at a time. For a group a warp loads every 32-bit word of its atoms
 // (4 row blocks x G/16 K slices, one coalesced 128-byte line per atom per warp) before it computes:
 //  - A = the raw nibbles as halves OFF + q (one mask+xor per register: 1032 + q in fp16, 136 + q in
 //    bf16, both exact), straight from the shuffled layout into mma.sync m16n8k16 fragments;
@@ -25,12 +25,7 @@ namespace {
 
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
-// 16-row blocks per CTA: 4 with one token tile; 2 with two (M > 8), whose accumulators would
-// otherwise not fit the 128 registers of two resident CTAs per SM.
-template <int kTok>
-constexpr int row_blocks_for() {
-  return kTok == 1 ? 4 : 2;
-}
+constexpr int kRowBlocks = 4;  // 16-row blocks per CTA
 constexpr int kMaxTokens = 16;
 
 template <typename T>
@@ -109,7 +104,6 @@ struct Params {
 // kTok: MMA n-tiles of 8 tokens (1 or 2); kKb: 16-wide K slices per group (G / 16).
 template <typename T, int kTok, int kKb, bool kZeros>
 __global__ void __launch_bounds__(kThreads, 2) gemv_kernel(const Params p) {
-  constexpr int kRowBlocks = row_blocks_for<kTok>();
   __shared__ float red[kWarps][kRowBlocks * kTok * 4][32];
   __shared__ bool last_cta;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -309,8 +303,7 @@ constexpr int kMaxSplitCounters = 4096;
 
 Plan plan(const Problem& p, int sm_count) {
   Plan pl{};
-  const int row_blocks = p.m <= 8 ? row_blocks_for<1>() : row_blocks_for<2>();
-  pl.row_tiles = (p.n / 16 + row_blocks - 1) / row_blocks;
+  pl.row_tiles = (p.n / 16 + kRowBlocks - 1) / kRowBlocks;
   pl.tok_blocks = (p.m + kMaxTokens - 1) / kMaxTokens;
   const int groups = p.k / p.group_size;
   const int64_t base = static_cast<int64_t>(pl.row_tiles) * pl.tok_blocks;
