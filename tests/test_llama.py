@@ -205,7 +205,7 @@ def test_tiny_llama_matches_float(sd, ids, ref_logits, variant, max_rel, max_kl,
     calib_ids = torch.randint(0, TINY.vocab_size, (256,), generator=torch.Generator().manual_seed(2))
     model = quantize_state_dict(sd, TINY, qcfg, calibration_tokens=calib_ids, calib_seq_len=64)
     assert model.qcfg.label() == variant
-    if qcfg.weights:
+    if qcfg.w8a8:
         assert isinstance(model.layers[0].self_attn.qkv_proj, W8A8Linear)
     m = compare(model.score(ids), ref_logits)
     assert m["rel"] < max_rel and m["kl"] < max_kl and m["top1"] >= min_top1, m
