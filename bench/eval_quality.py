@@ -1,6 +1,7 @@
 """Quality of the quantized SmolLM2-135M-Instruct: perplexity, next-token KL divergence and top-1
-agreement against the float model, for fp16 / KV8 / W8A8 / W8A8+KV8 (dynamic and static scales,
-with and without SmoothQuant), on the Jargon File.
+agreement against the float model, for fp16 / KV8 / KV4 / W8A8 / W8A8+KV8 (dynamic and static
+scales, with and without SmoothQuant) and W4A16 / W4A16+KV8 (int4 weights, RTN, groups of 64), on
+the Jargon File.
 
     python -m bench.eval_quality [--out DIR] [--tokens N] [--seq-len S] [--variants ...]
 

@@ -205,7 +205,7 @@ def test_tiny_llama_matches_float(sd, ids, ref_logits, variant, max_rel, max_kl,
     calib_ids = torch.randint(0, TINY.vocab_size, (256,), generator=torch.Generator().manual_seed(2))
     model = quantize_state_dict(sd, TINY, qcfg, calibration_tokens=calib_ids, calib_seq_len=64)
     assert model.qcfg.label() == variant
-    if qcfg.weights:
+    if qcfg.w8a8:
         assert isinstance(model.layers[0].self_attn.qkv_proj, W8A8Linear)
     m = compare(model.score(ids), ref_logits)
     assert m["rel"] < max_rel and m["kl"] < max_kl and m["top1"] >= min_top1, m
@@ -571,9 +571,17 @@ def test_smollm2_slice_matches_fp32(smol):
 
 
 @needs_smollm2
-def test_demo_main_smoke(capsys):
-    """``python -m qops.llama`` with tiny settings runs end to end and prints the table."""
+def test_demo_main_smoke(capsys, monkeypatch, smol):
+    """``python -m qops.llama`` with tiny settings runs end to end and prints the table. The demo
+    gets the float32 CPU model the ``smol`` fixture loaded (``test_smollm2_loads`` covers the
+    loader): dequantizing the GGUF again would be a third of this test's time."""
     from qops.llama.__main__ import main
+
+    def loaded(dtype=torch.float32, device="cpu", path=None, progress=True):
+        assert dtype == torch.float32 and torch.device(device).type == "cpu" and path is None
+        return smol[0]
+
+    monkeypatch.setattr(smollm2, "load_model", loaded)
 
     rc = main(
         [
@@ -601,6 +609,8 @@ def test_demo_main_smoke(capsys):
     for s in ("W8A8+KV8", "KV bytes/token", "HF fp32 (reference)", "| KV8 |", "| KV4 |", "| KV4-w128s4 |"):
         assert s in out
     assert "W8A8+KV4-w128s4+SQ0.5" in out
+    # W4A16 beside W8A8: SmolLM2's hidden size 576 takes groups of 64, not 128
+    assert "| W4A16-g64 |" in out and "| W4A16-g64+KV8 |" in out and "K = [576] is not a multiple of 128" in out
 
 
 # ---- GPU: the CUDA kernels against the reference ops -----------------------------------------------

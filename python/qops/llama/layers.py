@@ -2,7 +2,9 @@
 
 Activations flow between modules either as a float tensor ``[T, H]`` (model dtype) or, when the
 next consumer is a W8A8 linear, as an already quantized pair ``QAct(q int8 [T, H], s f32 [T] or
-[1])`` produced by a fused op (RMSNorm+quant, SiLU-and-mul+quant). Tokens are flattened: ``T`` is
+[1])`` produced by a fused op (RMSNorm+quant, SiLU-and-mul+quant). W4A16 linears
+(``W4A16Linear``, ``qops.w4a16_gemm``) take the float tensor: with them the norms and the MLP
+activation run as in the float variant (PyTorch), in the model dtype. Tokens are flattened: ``T`` is
 the number of tokens in the step over all sequences (vLLM style), ``H`` a hidden size.
 
 Which op replaces what (docs/llama.md):
@@ -23,6 +25,10 @@ gate_proj, up_proj                one fused ``W8A8Linear``
 act_fn(gate) * up                 ``qops.silu_and_mul_quant``
 down_proj                         ``W8A8Linear``
 ================================  =============================================================
+
+W4A16 (``QuantConfig(weights="int4")``): the four linears are ``W4A16Linear`` (same fusion of
+q/k/v and of gate/up; Qwen2's bias added after the GEMM), the norms plain RMSNorm and the MLP
+activation ``silu(gate) * up``, in the model dtype.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from torch import nn
 
 import qops
 from qops.quantization import quantize_per_channel
+from qops.w4a16 import N_MULTIPLE, dequantize_weight_int4, n_major, quantize_weight_int4
 
 from .cache import Int4PagedKVCache
 from .config import LlamaArgs, QuantConfig
@@ -138,6 +145,146 @@ class W8A8Linear(nn.Module):
         )
 
 
+def check_w4a16_shape(in_features: int, out_features: int, group_size: int, name: str = "a linear") -> None:
+    """Raise ``ValueError`` when ``qops.w4a16_gemm`` cannot run a linear ``[N, K]``: ``N`` (out
+    features) must be a multiple of 16, ``K`` (in features) a multiple of ``group_size``."""
+    why = []
+    if out_features % N_MULTIPLE:
+        why.append(f"N = {out_features} (output features) is not a multiple of {N_MULTIPLE}")
+    if in_features <= 0 or in_features % group_size:
+        why.append(f"K = {in_features} (input features) is not a multiple of group_size {group_size}")
+    if why:
+        raise ValueError(
+            f"qops.llama: W4A16 cannot quantize {name} [N={out_features}, K={in_features}]: {' and '.join(why)} "
+            f"(qops.w4a16_gemm needs N % {N_MULTIPLE} == 0 and K % group_size == 0)"
+        )
+
+
+class W4A16Linear(nn.Module):
+    """``y = x @ W.T (+ bias)`` with int4 ``W`` (group-wise scales along K, optional zeros) and
+    float16/bfloat16 ``x`` (not quantized): ``qops.w4a16_gemm``.
+
+    ``W`` is quantized round-to-nearest per (output channel, group of ``group_size`` input
+    channels) by ``qops.w4a16.quantize_weight_int4``: scale-only (symmetric, ``q * scale``) or
+    with zeros (asymmetric, ``q * scale + zero``), the scales and zeros in the model dtype.
+
+    Buffers: ``weight`` uint8, ``qops.w4a16_prepack`` of the packed ``[N, K/2]`` int4 weight for
+    this module's device (``packed_for``: the device type it was prepacked for; ``"cpu"`` is the
+    reference layout, ``[N, K/2]`` as ``qops.w4a16.pack_int4`` writes it); ``weight_scale`` and
+    ``weight_zero`` (scale+zero mode; else ``None``) ``[N, K/G]`` in ``out_dtype``, N-major
+    (``qops.w4a16.n_major``: the layout the CUDA kernels read); ``bias`` ``[N]`` in ``out_dtype``
+    (optional, added after the GEMM).
+
+    Moving the module from the CPU to another device prepacks the weight there. A weight
+    prepacked for a GPU keeps that layout wherever it is moved (qops has no unprepack): it runs
+    only on that kind of device again, and cannot be saved.
+    """
+
+    weight: torch.Tensor
+    weight_scale: torch.Tensor
+    weight_zero: torch.Tensor | None
+    bias: torch.Tensor | None
+    input_scale = None  # activations are not quantized (DecoderLayer hands it to the norms)
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        group_size: int = 128,
+        zeros: bool = False,
+        out_dtype=torch.float16,
+        bias: bool = False,
+        device=None,
+        name: str = "a linear",
+    ) -> None:
+        super().__init__()
+        check_w4a16_shape(in_features, out_features, group_size, name)
+        self.in_features, self.out_features, self.out_dtype = in_features, out_features, out_dtype
+        self.group_size = group_size
+        dev = torch.device(device) if device is not None else torch.device("cpu")
+        w = torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=dev)
+        self.packed_for = "cpu"  # the reference layout (also the placeholder on "meta", for load)
+        if dev.type not in ("cpu", "meta"):
+            w, self.packed_for = qops.w4a16_prepack(w), dev.type
+        groups = (out_features, in_features // group_size)
+        self.register_buffer("weight", w)
+        self.register_buffer("weight_scale", n_major(torch.ones(groups, dtype=out_dtype, device=dev)))
+        self.register_buffer(
+            "weight_zero", n_major(torch.zeros(groups, dtype=out_dtype, device=dev)) if zeros else None
+        )
+        self.register_buffer("bias", torch.zeros(out_features, dtype=out_dtype, device=dev) if bias else None)
+
+    @classmethod
+    def from_float(
+        cls,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        group_size: int = 128,
+        zeros: bool = False,
+        out_dtype=torch.float16,
+        name: str = "a linear",
+    ) -> W4A16Linear:
+        """Quantize a float ``weight [N, K]`` (RTN, ``quantize_weight_int4``) and prepack it on
+        its device."""
+        n, k = weight.shape
+        m = cls(k, n, group_size=group_size, zeros=zeros, out_dtype=out_dtype, bias=bias is not None,
+                device="meta", name=name)  # fmt: skip
+        packed, scales, zero = quantize_weight_int4(weight, group_size, zeros, dtype=out_dtype)
+        m.weight = qops.w4a16_prepack(packed)
+        m.packed_for = "cpu" if weight.device.type in ("cpu", "meta") else weight.device.type
+        m.weight_scale = n_major(scales)
+        if zero is not None:
+            m.weight_zero = n_major(zero)
+        if bias is not None:
+            m.bias = bias.to(out_dtype)
+        return m
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The float32 ``W [N, K]`` the GEMM multiplies by (reference layout only)."""
+        if self.packed_for != "cpu":
+            raise RuntimeError(f"W4A16Linear: the weight is prepacked for {self.packed_for}, not the reference layout")
+        zero = None if self.weight_zero is None else self.weight_zero.contiguous()
+        w = dequantize_weight_int4(self.weight, self.weight_scale.contiguous(), zero, self.group_size)
+        return w.float()
+
+    def forward(self, x: Act) -> torch.Tensor:
+        if isinstance(x, QAct):
+            raise TypeError("W4A16Linear takes float16/bfloat16 activations, got an int8 QAct")
+        if self.weight.device.type != self.packed_for:
+            raise RuntimeError(
+                f"W4A16Linear: the int4 weight is prepacked for {self.packed_for} and cannot run on "
+                f"{self.weight.device} (qops has no unprepack): move the model back to {self.packed_for}, or "
+                f"quantize it on {self.weight.device.type}"
+            )
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        y = qops.w4a16_gemm(x, self.weight, self.weight_scale, self.weight_zero, self.group_size)
+        if self.bias is not None:
+            y.add_(self.bias)
+        return y
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        dev = self.weight.device.type
+        if self.packed_for == "cpu" and dev not in ("cpu", "meta"):
+            # the reference layout arrived on another device: prepack it for that device
+            self.weight, self.packed_for = qops.w4a16_prepack(self.weight), dev
+        # else the bytes travel as they are (a GPU model parked on the CPU and moved back runs;
+        # forward refuses to run them elsewhere)
+        self.weight_scale = n_major(self.weight_scale)
+        if self.weight_zero is not None:
+            self.weight_zero = n_major(self.weight_zero)
+        return out
+
+    def extra_repr(self) -> str:
+        return (
+            f"in={self.in_features}, out={self.out_features}, int4 groups of {self.group_size}, "
+            f"{'scale+zero' if self.weight_zero is not None else 'scale-only'}, act=float"
+        )
+
+
 class FloatLinear(nn.Linear):
     """``nn.Linear`` in the model dtype (the unquantized variant); takes float input only."""
 
@@ -155,10 +302,17 @@ def make_linear(
     dtype: torch.dtype,
     input_scale: float | None = None,
     bias: torch.Tensor | None = None,
+    name: str = "a linear",
 ) -> nn.Module:
-    """A ``W8A8Linear`` (``qcfg.weights``) or a ``FloatLinear`` from a float ``weight [N, K]``
-    (and ``bias [N]``: Qwen2's q/k/v; kept in the model dtype, added in the GEMM's epilogue)."""
-    if qcfg.weights:
+    """A ``W8A8Linear`` (``qcfg.w8a8``), a ``W4A16Linear`` (``qcfg.w4a16``) or a
+    ``FloatLinear`` from a float ``weight [N, K]`` (and ``bias [N]``: Qwen2's q/k/v; kept in the
+    model dtype, added in the W8A8 GEMM's epilogue or after the W4A16 GEMM). ``name`` names the
+    linear in errors."""
+    if qcfg.w4a16:
+        return W4A16Linear.from_float(
+            weight, bias, group_size=qcfg.group_size, zeros=qcfg.weight_zeros, out_dtype=dtype, name=name
+        )
+    if qcfg.w8a8:
         return W8A8Linear.from_float(
             weight, bias, out_dtype=dtype, input_scale=input_scale if qcfg.activations == "static" else None
         )
@@ -315,7 +469,7 @@ class Attention(nn.Module):
         # Qwen3: RMSNorm of each q and k head (weights [D]) before RoPE; float, in PyTorch
         self.eps = args.rms_norm_eps
         qkv_w = cast(torch.Tensor, qkv.weight)
-        dev, dt = qkv_w.device, (qkv.out_dtype if isinstance(qkv, W8A8Linear) else qkv_w.dtype)
+        dev, dt = qkv_w.device, (qkv.out_dtype if isinstance(qkv, (W8A8Linear, W4A16Linear)) else qkv_w.dtype)
         for name in ("q_norm", "k_norm"):
             w = nn.Parameter(torch.ones(self.d, dtype=dt, device=dev), requires_grad=False) if args.qk_norm else None
             self.register_parameter(name, w)
@@ -429,7 +583,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """``down(silu(gate(x)) * up(x))`` with gate/up fused (rows ``[gate | up]``).
 
-    Quantized: ``qops.silu_and_mul_quant`` hands ``down`` an int8 activation; float: PyTorch."""
+    W8A8: ``qops.silu_and_mul_quant`` hands ``down`` an int8 activation; float and W4A16:
+    PyTorch, in the model dtype."""
 
     def __init__(self, gate_up: nn.Module, down: nn.Module) -> None:
         super().__init__()

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..int4_kv import kv_int4_row_bytes
+from ..w4a16 import n_major
 from .cache import blocks_needed, make_cache
 from .config import LlamaArgs, QuantConfig
 from .layers import (
@@ -25,6 +26,7 @@ from .layers import (
     RMSNorm,
     Rotary,
     StepContext,
+    W4A16Linear,
     W8A8Linear,
     make_linear,
     rms_norm_float,
@@ -75,7 +77,8 @@ class QuantizedLlamaForCausalLM(nn.Module):
     """A Llama decoder whose linears, norms, activation and attention call ``torch.ops.qops``.
 
     Built by ``qops.llama.quantize`` (from a ``transformers.LlamaForCausalLM``). The embedding,
-    the final norm and the LM head stay in the model dtype (as in SmoothQuant / vLLM W8A8).
+    the final norm and the LM head stay in the model dtype (as in SmoothQuant / vLLM W8A8, and
+    in vLLM's W4A16).
 
     Use:
         ``cache = model.new_cache(num_blocks)`` then ``model.step(input_ids, seq_ids, cache)``
@@ -132,7 +135,7 @@ class QuantizedLlamaForCausalLM(nn.Module):
             d = args.head_dim
             inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
         rotary = Rotary(inv_freq.to(device), min(args.max_position_embeddings, 4096), attention_scaling)
-        quant_acts = qcfg.weights
+        quant_acts = qcfg.w8a8  # W4A16 and float linears take the norms' float output
         layers = []
         it = range(args.num_layers)
         if progress:
@@ -148,17 +151,19 @@ class QuantizedLlamaForCausalLM(nn.Module):
             def w(name, p=p):
                 return sd[p + name + ".weight"].to(device=device, dtype=torch.float32)
 
-            def lin(weight, key, i=i, bias=None):
-                return make_linear(weight, qcfg, dtype, input_scales.get(f"layers.{i}.{key}"), bias)
+            def lin(weight, key, name, i=i, bias=None, p=p):
+                return make_linear(weight, qcfg, dtype, input_scales.get(f"layers.{i}.{key}"), bias, p + name)
 
             qkv_names = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
             qkv_bias = None
             if args.qkv_bias:  # Qwen2
                 qkv_bias = torch.cat([sd[p + n + ".bias"].to(device=device, dtype=torch.float32) for n in qkv_names])
-            qkv = lin(torch.cat([w(n) for n in qkv_names]), "qkv", bias=qkv_bias)
-            o = lin(w("self_attn.o_proj"), "o")
-            gate_up = lin(torch.cat([w("mlp.gate_proj"), w("mlp.up_proj")]), "gate_up")
-            down = lin(w("mlp.down_proj"), "down")
+            qkv = lin(torch.cat([w(n) for n in qkv_names]), "qkv", "self_attn.qkv_proj (q/k/v fused)", bias=qkv_bias)
+            o = lin(w("self_attn.o_proj"), "o", "self_attn.o_proj")
+            gate_up = lin(
+                torch.cat([w("mlp.gate_proj"), w("mlp.up_proj")]), "gate_up", "mlp.gate_up_proj (gate/up fused)"
+            )
+            down = lin(w("mlp.down_proj"), "down", "mlp.down_proj")
             n1 = RMSNorm(args.hidden_size, args.rms_norm_eps, quantize=quant_acts, dtype=dtype, device=device)
             n2 = RMSNorm(args.hidden_size, args.rms_norm_eps, quantize=quant_acts, dtype=dtype, device=device)
             n1.weight.copy_(w("input_layernorm"))
@@ -335,8 +340,20 @@ class QuantizedLlamaForCausalLM(nn.Module):
 
     # ---- save / load ----------------------------------------------------------------------------
     def save(self, path: str | Path) -> None:
-        """Save the quantized model (int8 weights and scales) to a folder: ``config.json`` and
-        ``model.safetensors`` (or ``model.pt`` without safetensors)."""
+        """Save the quantized model (int8 or int4 weights and scales) to a folder: ``config.json``
+        and ``model.safetensors`` (or ``model.pt`` without safetensors).
+
+        int4 weights are saved in the reference layout (``[N, K/2]``, ``qops.w4a16.pack_int4``),
+        so a W4A16 model must hold them so: one quantized on the CPU (``load(path,
+        device="cuda")`` prepacks them for the GPU); the layout prepacked for a GPU cannot be
+        turned back (``NotImplementedError``)."""
+        prepacked = {lin.packed_for for lin in self.modules() if isinstance(lin, W4A16Linear)} - {"cpu"}
+        if prepacked:
+            raise NotImplementedError(
+                f"QuantizedLlamaForCausalLM.save: the int4 weights are prepacked for {', '.join(sorted(prepacked))} "
+                f"(qops.w4a16_prepack's device-specific layout, which qops cannot unprepack); quantize the model "
+                f"on the CPU, save it, and load it with load(path, device=...)"
+            )
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         meta = {
@@ -384,6 +401,12 @@ class QuantizedLlamaForCausalLM(nn.Module):
             attention_scaling=meta.get("attention_scaling", 1.0),
         )
         model.load_state_dict(sd, strict=True, assign=True)
+        for lin in model.modules():
+            if isinstance(lin, W4A16Linear):  # saved in the reference layout, scales row-major
+                lin.packed_for = "cpu"
+                lin.weight_scale = n_major(lin.weight_scale)
+                if lin.weight_zero is not None:
+                    lin.weight_zero = n_major(lin.weight_zero)
         model._retie_rotary()
         if meta.get("kv_scales"):
             model.kv_scales = tuple(meta["kv_scales"])
@@ -413,17 +436,22 @@ class QuantizedLlamaForCausalLM(nn.Module):
         h, i_, a = args.hidden_size, args.intermediate_size, args
         static = qcfg.activations == "static"
 
-        def lin(k, n, bias=False):
-            if qcfg.weights:
+        def lin(k, n, name, bias=False):
+            if qcfg.w4a16:
+                return W4A16Linear(k, n, group_size=qcfg.group_size, zeros=qcfg.weight_zeros, out_dtype=dtype,
+                                   bias=bias, device=dev, name=name)  # fmt: skip
+            if qcfg.w8a8:
                 return W8A8Linear(k, n, out_dtype=dtype, static=static, bias=bias, device=dev)
             return FloatLinear(k, n, bias=bias, dtype=dtype, device=dev)
 
         layers = []
         for i in range(a.num_layers):
-            attn = Attention(i, a, lin(h, a.qkv_size, a.qkv_bias), lin(a.num_heads * a.head_dim, h), rotary)
-            mlp = MLP(lin(h, 2 * i_), lin(i_, h))
-            n1 = RMSNorm(h, a.rms_norm_eps, quantize=qcfg.weights, dtype=dtype, device=dev)
-            n2 = RMSNorm(h, a.rms_norm_eps, quantize=qcfg.weights, dtype=dtype, device=dev)
+            p = f"model.layers.{i}."
+            qkv = lin(h, a.qkv_size, p + "self_attn.qkv_proj (q/k/v fused)", a.qkv_bias)
+            attn = Attention(i, a, qkv, lin(a.num_heads * a.head_dim, h, p + "self_attn.o_proj"), rotary)
+            mlp = MLP(lin(h, 2 * i_, p + "mlp.gate_up_proj (gate/up fused)"), lin(i_, h, p + "mlp.down_proj"))
+            n1 = RMSNorm(h, a.rms_norm_eps, quantize=qcfg.w8a8, dtype=dtype, device=dev)
+            n2 = RMSNorm(h, a.rms_norm_eps, quantize=qcfg.w8a8, dtype=dtype, device=dev)
             layers.append(DecoderLayer(attn, mlp, n1, n2))
         embed = torch.empty(a.vocab_size, h, dtype=dtype, device=dev)
         head = None if a.tie_word_embeddings else torch.empty(a.vocab_size, h, dtype=dtype, device=dev)

@@ -320,8 +320,8 @@ def _unused_calibration(qcfg: QuantConfig, calibration_tokens, stats) -> str | N
     if not qcfg.needs_calibration:
         return (
             f"qops.llama.quantize: calibration_tokens are ignored: {qcfg.label()} has dynamic scales "
-            f"and no SmoothQuant. The options that use them: smoothquant=True (with weights=True), "
-            f"activations='static' (with weights=True), kv_scales='static' (with kv_cache='int8')"
+            f"and no SmoothQuant. The options that use them: smoothquant=True (with W8A8, weights='int8'), "
+            f"activations='static' (with W8A8), kv_scales='static' (with kv_cache='int8')"
         )
     if stats is not None:
         return "qops.llama.quantize: calibration_tokens are ignored: precomputed stats were given"
@@ -330,12 +330,12 @@ def _unused_calibration(qcfg: QuantConfig, calibration_tokens, stats) -> str | N
 
 def check_supported(args: LlamaArgs, qcfg: QuantConfig) -> None:
     """Raise at quantize time, with the reason, for a model the quantized kernels cannot run
-    (instead of at the first decode step): the int8 GEMMs need K and N multiples of 16, the int8
-    KV cache's decode attention head_dim 64 or 128 (the float cache runs attention in PyTorch:
-    any even head_dim)."""
+    (instead of at the first decode step): the int8 GEMMs need K and N multiples of 16, the int4
+    GEMM (W4A16) N a multiple of 16 and K a multiple of the group size, the int8 KV cache's decode
+    attention head_dim 64 or 128 (the float cache runs attention in PyTorch: any even head_dim)."""
     if args.head_dim % 2:
         raise ValueError(f"qops.llama.quantize: RoPE needs an even head_dim, got {args.head_dim}")
-    if qcfg.weights:
+    if qcfg.w8a8:
         sizes = {
             "hidden_size": args.hidden_size,
             "intermediate_size": args.intermediate_size,
@@ -348,11 +348,33 @@ def check_supported(args: LlamaArgs, qcfg: QuantConfig) -> None:
                 f"qops.llama.quantize: W8A8 needs layer sizes that are multiples of 16 "
                 f"(the int8 GEMMs' K and N), got {bad}; use weights=False"
             )
+    if qcfg.w4a16:
+        g = qcfg.group_size
+        linears = w4a16_linears(args)
+        odd = [f"{name} [N={n}, K={k}]" for name, (n, k) in linears.items() if n % 16 or k % g]
+        if odd:
+            fits = g == 128 and all(n % 16 == 0 and k % 64 == 0 for n, k in linears.values())
+            raise ValueError(
+                f"qops.llama.quantize: W4A16 (qops.w4a16_gemm) needs every linear's N (output features) a "
+                f"multiple of 16 and K (input features) a multiple of group_size ({g}); in every layer, "
+                f"{', '.join(odd)} {'does' if len(odd) == 1 else 'do'} not"
+                + ("; group_size=64 fits this model" if fits else "; use weights='int8' or weights=False")
+            )
     if qcfg.kv_cache in ("int8", "int4") and args.head_dim not in (64, 128):
         raise ValueError(
             f"qops.llama.quantize: the {qcfg.kv_cache} KV cache's decode attention supports head_dim "
             f"64 or 128, got {args.head_dim}; use kv_cache='fp16'"
         )
+
+
+def w4a16_linears(args: LlamaArgs) -> dict[str, tuple[int, int]]:
+    """The ``[N, K]`` of the four (fused) linears of every layer, by name."""
+    return {
+        "self_attn.qkv_proj (q/k/v fused)": (args.qkv_size, args.hidden_size),
+        "self_attn.o_proj": (args.hidden_size, args.num_heads * args.head_dim),
+        "mlp.gate_up_proj (gate/up fused)": (2 * args.intermediate_size, args.hidden_size),
+        "mlp.down_proj": (args.hidden_size, args.intermediate_size),
+    }
 
 
 def quantize(
@@ -371,7 +393,9 @@ def quantize(
     """Quantize a Hugging Face ``LlamaForCausalLM`` into a ``QuantizedLlamaForCausalLM``.
 
     The result is a new module tree; ``model`` is left unchanged (the float weights are read,
-    int8 weights with per-output-channel scales produced from them).
+    int8 weights with per-output-channel scales produced from them, or with ``weights="int4"``
+    int4 weights with a scale (and zero) per group of ``group_size`` input channels, prepacked
+    on ``device``).
 
     Model families (``config.model_type``): ``llama``; ``mistral`` (``MistralForCausalLM``);
     ``qwen2`` (``Qwen2ForCausalLM``: the q/k/v biases are added by the fused qkv linear, in the
@@ -390,7 +414,8 @@ def quantize(
             a ``UserWarning`` that names the options that would use them.
         config: a ``QuantConfig`` (default: W8A8 with dynamic per-token activations and the int8
             KV cache with dynamic scales); keyword ``overrides`` replace its fields, e.g.
-            ``quantize(m, toks, smoothquant=True, smooth_alpha=0.8)``.
+            ``quantize(m, toks, smoothquant=True, smooth_alpha=0.8)`` or
+            ``quantize(m, weights="int4", group_size=64)`` (W4A16 + KV8).
         dtype: activation dtype (float16 or bfloat16; float32 only for float-only variants);
             default: the model's if half, else float16.
         device: where the quantized model lives (default: the model's device).
@@ -448,7 +473,7 @@ def quantize_state_dict(
     if dtype is None:
         dtype = mdtype if mdtype in (torch.float16, torch.bfloat16) else torch.float16
     if qcfg.weights and dtype not in (torch.float16, torch.bfloat16):
-        raise TypeError(f"qops.llama: W8A8 models run in float16 or bfloat16, got dtype={dtype}")
+        raise TypeError(f"qops.llama: {qcfg.weight_label()} models run in float16 or bfloat16, got dtype={dtype}")
     if qcfg.kv_cache in ("int8", "int4") and dtype not in (torch.float16, torch.bfloat16):
         raise TypeError(f"qops.llama: the {qcfg.kv_cache} KV cache takes float16 or bfloat16 K/V, got dtype={dtype}")
     device = torch.device(device) if device is not None else sd["model.embed_tokens.weight"].device
@@ -477,7 +502,7 @@ def quantize_state_dict(
             progress=progress,
         )
     factors: dict = {}
-    if qcfg.weights and qcfg.smoothquant:
+    if qcfg.w8a8 and qcfg.smoothquant:
         assert stats is not None  # qcfg.needs_calibration: given or calibrated above
         sd, factors = apply_smoothing(sd, args, stats, qcfg.smooth_alpha, qcfg.smooth_targets)
         if "o" in qcfg.smooth_targets:  # V was rescaled: its statistics with it
@@ -486,7 +511,7 @@ def quantize_state_dict(
                 s = factors[f"layers.{i}.o"].view(args.num_kv_heads, -1, args.head_dim)[:, 0, :]
                 stats[f"layers.{i}.v"] = stats[f"layers.{i}.v"] / s.to(stats[f"layers.{i}.v"].device)
     input_scales = None
-    if qcfg.weights and qcfg.activations == "static":
+    if qcfg.w8a8 and qcfg.activations == "static":
         assert stats is not None  # qcfg.needs_calibration: given or calibrated above
         input_scales = {}
         for key in ("qkv", "o", "gate_up", "down"):
