@@ -409,11 +409,14 @@ def test_w4a16_cuda_matches_cpu(variant):
     assert cuda.layers[0].self_attn.qkv_proj.packed_for == "cuda"
     m = compare(cuda.score(ids.cuda()).cpu(), cpu.score(ids))
     assert m["rel"] < 0.03 and m["top1"] > 0.95, m
-    # a CPU-built model moved to the GPU is prepacked there, and gives the same logits
+    # A CPU-built model moved to the GPU is prepacked there. It holds the CPU model's int4 weights
+    # (quantized on the CPU: with zeros, a GPU-built model's zeros can differ by a rounding, so it
+    # is not compared bitwise with that one), so only the kernels' rounding separates it from them.
+    cpu_logits = cpu.score(ids)
     moved = cpu.to("cuda")
     assert moved.layers[0].mlp.down_proj.packed_for == "cuda"
-    m = compare(moved.score(ids.cuda()).cpu(), cuda.score(ids.cuda()).cpu())
-    assert m["rel"] < 1e-3 and m["top1"] >= 0.99, m
+    m = compare(moved.score(ids.cuda()).cpu(), cpu_logits)
+    assert m["rel"] < 0.03 and m["top1"] > 0.95, m
     out_cpu = generate(build(sd, TINY128, qcfg), ids[:, :10].tolist(), 8)
     out_gpu = generate(cuda, ids[:, :10].tolist(), 8)
     agree = sum(a == b for x, y in zip(out_cpu.tokens, out_gpu.tokens) for a, b in zip(x, y))
