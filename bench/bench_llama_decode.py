@@ -318,6 +318,8 @@ def main(argv=None) -> int:
                 "fused_add_rms_norm_quant",
                 "silu_and_mul_quant",
                 "quant_per_token",
+                "w4a16_prepack",
+                "w4a16_gemm",
             )
             if not qops.has_cuda_kernel(n)
         ]
