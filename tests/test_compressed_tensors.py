@@ -232,3 +232,18 @@ def test_save_compressed_refuses_w4a16():
     m = QuantizedLlamaForCausalLM.empty(args, QuantConfig(weights="int4", group_size=64))
     with pytest.raises(ValueError, match="only W8A8"):
         save_compressed(m, "/nonexistent")
+
+
+def test_naive_quantized_format_loads(dynamic_path, tmp_path):
+    ok = _edit(dynamic_path, tmp_path / "naive", format="naive-quantized")
+    assert torch.equal(load_compressed(ok).score(IDS), load_compressed(dynamic_path).score(IDS))
+
+
+def test_ignored_decoder_linear_raises(dynamic_path, tmp_path):
+    bad = tmp_path / "ignored"
+    shutil.copytree(dynamic_path, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["quantization_config"]["ignore"] = ["lm_head", "re:.*down_proj"]
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.down_proj is not quantized"):
+        load_compressed(bad)
