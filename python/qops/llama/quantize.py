@@ -72,7 +72,8 @@ def check_float_weights(sd: dict, quantized_config=None) -> None:
             f"qops.llama.quantize: the model has non-float weights: {shown}{qc}. The checkpoint looks "
             f"already quantized (e.g. compressed-tensors W8A8 loaded with plain from_pretrained, which "
             f"keeps the int8 weights and drops their scales); qops.llama quantizes float weights: load "
-            f"the checkpoint dequantized (or its unquantized original) in float16/bfloat16/float32"
+            f"the checkpoint dequantized (or its unquantized original) in float16/bfloat16/float32, or read a "
+            f"compressed-tensors W8A8 checkpoint folder directly with qops.llama.load_compressed(path)"
         )
 
 
