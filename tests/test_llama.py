@@ -19,7 +19,7 @@ import qops
 from qops.llama import QuantConfig, QuantizedLlamaForCausalLM, W8A8Linear, generate, quantize, smollm2
 from qops.llama.config import LlamaArgs
 from qops.llama.quantize import apply_smoothing, calibrate
-from qops.testing import needs_w8a8_gemm, random_llama_state_dict
+from qops.testing import needs_w8a8_gemm, random_llama_state_dict, tiny_llama_args
 
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 needs_transformers = pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed (llama extra)")
@@ -29,19 +29,7 @@ needs_smollm2 = pytest.mark.skipif(
 )
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-TINY = LlamaArgs(
-    vocab_size=384,
-    hidden_size=192,
-    intermediate_size=320,
-    num_layers=2,
-    num_heads=6,
-    num_kv_heads=2,
-    head_dim=64,
-    rms_norm_eps=1e-5,
-    rope_theta=10000.0,
-    max_position_embeddings=512,
-    tie_word_embeddings=False,
-)
+TINY = tiny_llama_args()
 
 
 def tiny_state_dict(args: LlamaArgs = TINY, seed: int = 0) -> dict:

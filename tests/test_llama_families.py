@@ -12,7 +12,7 @@ import torch
 
 from qops.llama import QuantConfig, QuantizedLlamaForCausalLM, W4A16Linear, W8A8Linear, quantize
 from qops.llama.config import LlamaArgs
-from qops.testing import random_llama_state_dict
+from qops.testing import random_llama_state_dict, tiny_family_args
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None, reason="transformers is not installed (llama extra)"
@@ -32,21 +32,7 @@ def compare(logits: torch.Tensor, ref: torch.Tensor) -> dict:
 
 
 def tiny_args(model_type: str) -> LlamaArgs:
-    return LlamaArgs(
-        vocab_size=320,
-        hidden_size=128,
-        intermediate_size=256,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=64,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        max_position_embeddings=256,
-        model_type=model_type,
-        qkv_bias=model_type == "qwen2",
-        qk_norm=model_type == "qwen3",
-    )
+    return tiny_family_args(model_type)
 
 
 def hf_model(model_type: str, seed: int = 0, strict: bool = True, **cfg_overrides):

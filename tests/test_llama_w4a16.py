@@ -23,21 +23,12 @@ from qops.llama import QuantConfig, QuantizedLlamaForCausalLM, generate
 from qops.llama.config import LlamaArgs
 from qops.llama.layers import QAct, RMSNorm, W4A16Linear
 from qops.llama.quantize import check_supported, quantize_state_dict
-from qops.testing import random_llama_state_dict
+from qops.testing import random_llama_state_dict, tiny_family_args, tiny_llama_args
 from qops.w4a16 import dequantize_weight_int4, quantize_weight_int4
 
 # test_llama's TINY (hidden 192, intermediate 320: K fits groups of 64 only) and a shape whose
 # every K is a multiple of 128 (groups of 128 and 64)
-TINY = LlamaArgs(
-    vocab_size=384,
-    hidden_size=192,
-    intermediate_size=320,
-    num_layers=2,
-    num_heads=6,
-    num_kv_heads=2,
-    head_dim=64,
-    max_position_embeddings=512,
-)
+TINY = tiny_llama_args()
 TINY128 = LlamaArgs(
     vocab_size=384,
     hidden_size=256,
@@ -54,20 +45,7 @@ LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 def family(model_type: str) -> LlamaArgs:
     """test_llama_families' tiny shape of a family (K = 128 or 256: both group sizes fit)."""
-    return LlamaArgs(
-        vocab_size=320,
-        hidden_size=128,
-        intermediate_size=256,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=64,
-        rms_norm_eps=1e-6,
-        max_position_embeddings=256,
-        model_type=model_type,
-        qkv_bias=model_type == "qwen2",
-        qk_norm=model_type == "qwen3",
-    )
+    return tiny_family_args(model_type)
 
 
 def compare(logits: torch.Tensor, ref: torch.Tensor) -> dict:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import qops
+from qops.testing import random_int4_weight
 from qops.w4a16 import dequantize_weight_int4, n_major, pack_int4, quantize_weight_int4, unpack_int4
 
 OPS = ("w4a16_prepack", "w4a16_gemm")
@@ -62,14 +63,6 @@ def ref_gemm(a, packed, scales, zeros, g, kernel_order=False) -> torch.Tensor:
 
 def eps(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).eps
-
-
-def make_weights(n, k, g, dtype, with_zeros, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randint(-8, 8, (n, k), generator=gen, dtype=torch.int8)
-    scales = (torch.rand(n, k // g, generator=gen) * 0.02 + 0.005).to(dtype)
-    zeros = (torch.randn(n, k // g, generator=gen) * 0.05).to(dtype) if with_zeros else None
-    return pack_int4(q), scales, zeros
 
 
 # ---- the reference layout: pack / unpack ---------------------------------------------------------
@@ -209,7 +202,7 @@ SHAPES = [(1, 48, 128), (3, 80, 256), (17, 112, 384)]
 @pytest.mark.parametrize("m,n,k", SHAPES)
 def test_gemm_matches_float64(m, n, k, g, with_zeros, dtype):
     gen = torch.Generator().manual_seed(m * 1000 + k)
-    packed, scales, zeros = make_weights(n, k, g, dtype, with_zeros, seed=m + k)
+    packed, scales, zeros = random_int4_weight(n, k, g, dtype, with_zeros, seed=m + k)
     a = torch.randn(m, k, generator=gen).to(dtype)
     out = qops.w4a16_gemm(a, qops.w4a16_prepack(packed), scales, zeros, g)
     assert out.shape == (m, n) and out.dtype == dtype
@@ -224,7 +217,7 @@ def test_gemm_matches_float64(m, n, k, g, with_zeros, dtype):
 
 
 def test_gemm_dequantized_weight_helper_is_kernel_order():
-    packed, scales, zeros = make_weights(16, 128, 64, torch.bfloat16, True)
+    packed, scales, zeros = random_int4_weight(16, 128, 64, torch.bfloat16, True)
     w = dequantize_weight_int4(packed, scales, zeros, 64)
     assert w.dtype == torch.bfloat16
     assert torch.equal(w.double(), ref_weight_kernel_order(packed, scales, zeros, 64))
@@ -242,7 +235,7 @@ def test_gemm_end_to_end_quantized_linear(with_zeros):
 
 
 def test_gemm_strided_a_and_empty_m():
-    packed, scales, zeros = make_weights(32, 128, 64, torch.float16, True)
+    packed, scales, zeros = random_int4_weight(32, 128, 64, torch.float16, True)
     wide = torch.randn(3, 200, dtype=torch.float16)
     a = wide[:, 8:136]  # row stride 200, last dim contiguous
     out = qops.w4a16_gemm(a, packed, scales, zeros, 64)
@@ -252,7 +245,7 @@ def test_gemm_strided_a_and_empty_m():
 
 
 def test_gemm_n_major_scales_same_result():
-    packed, scales, zeros = make_weights(48, 256, 64, torch.bfloat16, True)
+    packed, scales, zeros = random_int4_weight(48, 256, 64, torch.bfloat16, True)
     a = torch.randn(5, 256, dtype=torch.bfloat16)
     sn, zn = n_major(scales), n_major(zeros)
     assert sn.stride() == (1, 48) and torch.equal(sn, scales) and n_major(sn) is sn
@@ -261,7 +254,7 @@ def test_gemm_n_major_scales_same_result():
 
 
 def test_gemm_inputs_unchanged():
-    packed, scales, zeros = make_weights(32, 128, 128, torch.bfloat16, True)
+    packed, scales, zeros = random_int4_weight(32, 128, 128, torch.bfloat16, True)
     a = torch.randn(3, 128, dtype=torch.bfloat16)
     before = [t.clone() for t in (a, packed, scales, zeros)]
     qops.w4a16_gemm(a, packed, scales, zeros, 128)
@@ -323,7 +316,7 @@ def test_gemm_bad_input(over, exc, pattern):
 # ---- op registration -----------------------------------------------------------------------------
 @pytest.mark.parametrize("with_zeros", [False, True])
 def test_opcheck_gemm(with_zeros):
-    packed, scales, zeros = make_weights(32, 128, 64, torch.bfloat16, with_zeros)
+    packed, scales, zeros = random_int4_weight(32, 128, 64, torch.bfloat16, with_zeros)
     a = torch.randn(3, 128, dtype=torch.bfloat16)
     torch.library.opcheck(torch.ops.qops.w4a16_gemm.default, (a, packed, scales, zeros, 64))
 
@@ -345,7 +338,7 @@ def test_no_cuda_kernel_in_cpu_build(name):
 def test_cuda_without_kernel_raises(name):
     if qops.has_cuda_kernel(name):
         pytest.skip(f"this build has a CUDA kernel for {name}")
-    packed, scales, zeros = make_weights(32, 128, 64, torch.float16, True)
+    packed, scales, zeros = random_int4_weight(32, 128, 64, torch.float16, True)
     args = {
         "w4a16_prepack": (packed,),
         "w4a16_gemm": (torch.randn(3, 128, dtype=torch.float16), packed, scales, zeros, 64),

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import qops
-from qops.testing import poison_cuda_allocator
-from qops.w4a16 import n_major, pack_int4
+from qops.testing import poison_cuda_allocator, random_int4_weight
+from qops.w4a16 import n_major, unpack_int4
 
 pytestmark = [
     pytest.mark.gpu,
@@ -38,24 +38,10 @@ def shuffle_reference(packed: torch.Tensor) -> torch.Tensor:
     return word.to(torch.int32).view(torch.uint8).view(k // 16, n // 16, 128)
 
 
-def make_weights(n, k, g, dtype, with_zeros, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randint(-8, 8, (n, k), generator=gen, dtype=torch.int8)
-    scales = (torch.rand(n, k // g, generator=gen) * 0.02 + 0.005).to(dtype)
-    zeros = (torch.randn(n, k // g, generator=gen) * 0.05).to(dtype) if with_zeros else None
-    return pack_int4(q), scales, zeros
-
-
 def ref_weight(packed, scales, zeros, g) -> torch.Tensor:
     """W[n, k] = q s (+ z) in float64, no rounding (the exact weights)."""
-    p = packed.to(torch.int64)
-    q = torch.empty(p.shape[0], 2 * p.shape[1], dtype=torch.int64)
-    q[:, 0::2], q[:, 1::2] = p % 16, p // 16
-    q = torch.where(q >= 8, q - 16, q).double()
-    w = q * scales.double().repeat_interleave(g, 1)
-    if zeros is not None:
-        w = w + zeros.double().repeat_interleave(g, 1)
-    return w
+    w = unpack_int4(packed).double() * scales.double().repeat_interleave(g, 1)
+    return w if zeros is None else w + zeros.double().repeat_interleave(g, 1)
 
 
 def configs() -> list[str]:
@@ -110,7 +96,7 @@ def test_gemm_auto_matches_reference(m, g, with_zeros, dtype):
     n, k = NK[m % len(NK)]
     if m >= 1000 and n * k > 4096 * 1024:
         n, k = 1280, 1024
-    packed, scales, zeros = make_weights(n, k, g, dtype, with_zeros, seed=m + g)
+    packed, scales, zeros = random_int4_weight(n, k, g, dtype, with_zeros, seed=m + g)
     gen = torch.Generator().manual_seed(m)
     a = torch.randn(m, k, generator=gen).to(dtype)
     wp = qops.w4a16_prepack(packed.cuda())
@@ -129,7 +115,7 @@ def test_gemm_auto_matches_reference(m, g, with_zeros, dtype):
     [(1, 4096, 4096, 128), (5, 272, 2304, 64), (16, 12288, 4096, 128), (13, 1280, 8192, 64), (3, 8192, 1024, 128)],
 )
 def test_gemm_each_config(config, m, n, k, g, with_zeros, dtype):
-    packed, scales, zeros = make_weights(n, k, g, dtype, with_zeros, seed=n + k + m)
+    packed, scales, zeros = random_int4_weight(n, k, g, dtype, with_zeros, seed=n + k + m)
     a = torch.randn(m, k, generator=torch.Generator().manual_seed(k)).to(dtype)
     wp = qops.w4a16_prepack(packed.cuda())
     poison_cuda_allocator()
@@ -139,7 +125,7 @@ def test_gemm_each_config(config, m, n, k, g, with_zeros, dtype):
 
 
 def test_gemm_matches_cpu_reference_and_is_deterministic():
-    packed, scales, zeros = make_weights(272, 1024, 128, torch.bfloat16, True, seed=3)
+    packed, scales, zeros = random_int4_weight(272, 1024, 128, torch.bfloat16, True, seed=3)
     a = torch.randn(9, 1024, dtype=torch.bfloat16)
     wp = qops.w4a16_prepack(packed.cuda())
     outs = [qops.w4a16_gemm(a.cuda(), wp, scales.cuda(), zeros.cuda(), 128) for _ in range(3)]
@@ -150,7 +136,7 @@ def test_gemm_matches_cpu_reference_and_is_deterministic():
 
 
 def test_gemm_strided_and_unaligned_a():
-    packed, scales, _ = make_weights(64, 256, 64, torch.float16, False, seed=1)
+    packed, scales, _ = random_int4_weight(64, 256, 64, torch.float16, False, seed=1)
     wp = qops.w4a16_prepack(packed.cuda())
     s = scales.cuda()
     wide = torch.randn(6, 300, dtype=torch.float16, device="cuda")
@@ -160,7 +146,7 @@ def test_gemm_strided_and_unaligned_a():
 
 
 def test_gemm_cuda_graph_and_reuse():
-    packed, scales, zeros = make_weights(1280, 8192, 128, torch.bfloat16, True, seed=7)
+    packed, scales, zeros = random_int4_weight(1280, 8192, 128, torch.bfloat16, True, seed=7)
     wp = qops.w4a16_prepack(packed.cuda())
     s, z = n_major(scales.cuda()), n_major(zeros.cuda())
     a = torch.randn(4, 8192, dtype=torch.bfloat16, device="cuda")
@@ -182,7 +168,7 @@ def test_gemm_cuda_graph_and_reuse():
 
 
 def test_gemm_cuda_errors():
-    packed, scales, zeros = make_weights(32, 128, 64, torch.float16, True)
+    packed, scales, zeros = random_int4_weight(32, 128, 64, torch.float16, True)
     a = torch.randn(3, 128, dtype=torch.float16, device="cuda")
     with pytest.raises(
         ValueError, match=r"qops\.w4a16_gemm: weight_packed must be qops\.w4a16_prepack's output.*reference layout"

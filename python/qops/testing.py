@@ -89,6 +89,62 @@ def cuda_kernel_names(fn: Callable[[], object], contains: str) -> list[str] | No
     return names or None
 
 
+def tiny_llama_args():
+    """The tests' tiny Llama shape (``qops.llama.LlamaArgs``): hidden 192, intermediate 320,
+    2 layers, 6 heads over 2 KV heads of 64 (GQA 3:1); its K fit int4 groups of 64 only."""
+    from qops.llama import LlamaArgs
+
+    return LlamaArgs(
+        vocab_size=384,
+        hidden_size=192,
+        intermediate_size=320,
+        num_layers=2,
+        num_heads=6,
+        num_kv_heads=2,
+        head_dim=64,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+
+
+def tiny_family_args(model_type: str):
+    """A tiny shape of a Llama-family model (``"llama"``, ``"mistral"``, ``"qwen2"`` with q/k/v
+    biases, ``"qwen3"`` with q/k norms): hidden 128, intermediate 256, 2 layers, 4 heads over 2 KV
+    heads of 64; K = 128 or 256, so int4 groups of 64 and 128 both fit."""
+    from qops.llama import LlamaArgs
+
+    return LlamaArgs(
+        vocab_size=320,
+        hidden_size=128,
+        intermediate_size=256,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=256,
+        model_type=model_type,
+        qkv_bias=model_type == "qwen2",
+        qk_norm=model_type == "qwen3",
+    )
+
+
+def random_int4_weight(n: int, k: int, group_size: int, dtype: torch.dtype, with_zeros: bool = False, seed: int = 0):
+    """Random int4 weights for ``qops.w4a16_gemm`` tests: ``(packed uint8 [N, K/2] in the
+    reference layout, scales [N, K/G], zeros [N, K/G] or None)``, every q in [-8, 7] equally
+    likely, scales in [0.005, 0.025), zeros ~ N(0, 0.05), in ``dtype``."""
+    from qops.w4a16 import pack_int4
+
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(-8, 8, (n, k), generator=gen, dtype=torch.int8)
+    scales = (torch.rand(n, k // group_size, generator=gen) * 0.02 + 0.005).to(dtype)
+    zeros = (torch.randn(n, k // group_size, generator=gen) * 0.05).to(dtype) if with_zeros else None
+    return pack_int4(q), scales, zeros
+
+
 def random_llama_state_dict(args, seed: int = 0) -> dict:
     """Random weights of a Llama model of shape ``args`` (a ``qops.llama.LlamaArgs``), float32 on
     the CPU, with Hugging Face names (``quantize_state_dict`` / ``from_state_dict`` take them), and
