@@ -1,5 +1,5 @@
-// CUDA implementations of qops::rms_norm_quant and qops::fused_add_rms_norm_quant (torch glue
-// only: checks, allocation, stream, dispatch; the math is in csrc/norm/).
+// CUDA implementations of qops::rms_norm_quant, qops::fused_add_rms_norm_quant and their
+// unquantized forms qops::rms_norm, qops::fused_add_rms_norm (torch glue only: checks, allocation, stream, dispatch; the math is in csrc/norm/).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -40,6 +40,28 @@ qops::FusedQuantTuning norm_tuning(const char* op, const NormOptions& o) {
   return t;
 }
 
+// The unquantized forms (rms_norm, fused_add_rms_norm): out in the input's dtype.
+template <typename T>
+at::Tensor run_float(const char* op, const at::Tensor& input, at::Tensor* residual,
+                     const at::Tensor& weight, double epsilon,
+                     const qops::FusedQuantTuning& tuning) {
+  const int64_t H = input.size(-1);
+  const int64_t rows = input.numel() / H;
+  const int64_t in_stride = qops_glue::row_stride(input, op, "input");
+  const int64_t res_stride = residual ? qops_glue::row_stride(*residual, op, "residual") : 0;
+  QOPS_CHECK_VALUE(!residual || rows <= 1 || res_stride >= H, op,
+                   "residual rows must not overlap (it is written in place), got strides ",
+                   residual->strides());
+  auto out = at::empty(input.sizes(), input.options().memory_format(at::MemoryFormat::Contiguous));
+  check_launch(qops::rms_norm<T>(
+                   static_cast<const T*>(input.data_ptr()), in_stride,
+                   residual ? static_cast<T*>(residual->data_ptr()) : nullptr, res_stride,
+                   static_cast<const T*>(weight.data_ptr()), static_cast<T*>(out.data_ptr()), rows,
+                   H, static_cast<float>(epsilon), c10::cuda::getCurrentCUDAStream(), tuning),
+               op);
+  return out;
+}
+
 template <typename T>
 std::tuple<at::Tensor, at::Tensor> run(const char* op, const at::Tensor& input,
                                        at::Tensor* residual, const at::Tensor& weight,
@@ -66,11 +88,9 @@ std::tuple<at::Tensor, at::Tensor> run(const char* op, const at::Tensor& input,
   return {out, scales};
 }
 
-std::tuple<at::Tensor, at::Tensor> norm_common(const char* op, const at::Tensor& input,
-                                               at::Tensor* residual, const at::Tensor& weight,
-                                               double epsilon,
-                                               const std::optional<at::Tensor>& scale,
-                                               const NormOptions& options) {
+// The checks every form makes.
+void check_norm_args(const char* op, const at::Tensor& input, const at::Tensor* residual,
+                     const at::Tensor& weight, double epsilon) {
   check_cuda(input, op, "input");
   check_half(input, op, "input");
   QOPS_CHECK_VALUE(input.dim() >= 1 && input.size(-1) > 0, op,
@@ -91,12 +111,20 @@ std::tuple<at::Tensor, at::Tensor> norm_common(const char* op, const at::Tensor&
                      "residual must have the input's shape ", input.sizes(), ", got ",
                      residual->sizes());
   }
-  fq_glue::check_scale(scale, input, op);
   QOPS_CHECK_VALUE(H <= (fq_glue::vector_ok(input, 8) ? qops::kRmsNormMaxHiddenVec
                                                       : qops::kRmsNormMaxHiddenScalar),
                    op, "hidden size ", H, " is larger than this kernel supports (",
                    qops::kRmsNormMaxHiddenVec, " with 16-byte aligned rows, ",
                    qops::kRmsNormMaxHiddenScalar, " otherwise)");
+}
+
+std::tuple<at::Tensor, at::Tensor> norm_common(const char* op, const at::Tensor& input,
+                                               at::Tensor* residual, const at::Tensor& weight,
+                                               double epsilon,
+                                               const std::optional<at::Tensor>& scale,
+                                               const NormOptions& options) {
+  check_norm_args(op, input, residual, weight, epsilon);
+  fq_glue::check_scale(scale, input, op);
   const qops::FusedQuantTuning tuning = norm_tuning(op, options);
   const c10::cuda::CUDAGuard guard(input.device());
   if (input.scalar_type() == at::kHalf)
@@ -122,9 +150,31 @@ std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm_quant_cuda(
                      {enable_pdl, variant, pipe_stages, threads_per_row, cluster});
 }
 
+at::Tensor norm_float(const char* op, const at::Tensor& input, at::Tensor* residual,
+                      const at::Tensor& weight, double epsilon, bool enable_pdl) {
+  check_norm_args(op, input, residual, weight, epsilon);
+  const qops::FusedQuantTuning tuning = fq_glue::tuning(enable_pdl, 0, 0, op);
+  const c10::cuda::CUDAGuard guard(input.device());
+  if (input.scalar_type() == at::kHalf)
+    return run_float<__half>(op, input, residual, weight, epsilon, tuning);
+  return run_float<__nv_bfloat16>(op, input, residual, weight, epsilon, tuning);
+}
+
+at::Tensor rms_norm_cuda(const at::Tensor& input, const at::Tensor& weight, double epsilon,
+                         bool enable_pdl) {
+  return norm_float("rms_norm", input, nullptr, weight, epsilon, enable_pdl);
+}
+
+at::Tensor fused_add_rms_norm_cuda(const at::Tensor& input, at::Tensor& residual,
+                                   const at::Tensor& weight, double epsilon, bool enable_pdl) {
+  return norm_float("fused_add_rms_norm", input, &residual, weight, epsilon, enable_pdl);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(qops, CUDA, m) {
+  m.impl("rms_norm", &rms_norm_cuda);
+  m.impl("fused_add_rms_norm", &fused_add_rms_norm_cuda);
   m.impl("rms_norm_quant", &rms_norm_quant_cuda);
   m.impl("fused_add_rms_norm_quant", &fused_add_rms_norm_quant_cuda);
 }

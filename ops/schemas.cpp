@@ -22,10 +22,23 @@ TORCH_LIBRARY(qops, m) {
       " float epsilon, Tensor? scale=None, *, bool enable_pdl=True, str variant=\"auto\","
       " int pipe_stages=0, int threads_per_row=0, int cluster=0) -> (Tensor, Tensor)");
 
+  // The same norms without the quantization (activation-dtype output: W4A16 layers).
+  m.def("rms_norm(Tensor input, Tensor weight, float epsilon, *, bool enable_pdl=True) -> Tensor");
+  m.def(
+      "fused_add_rms_norm(Tensor input, Tensor(a!) residual, Tensor weight, float epsilon, *,"
+      " bool enable_pdl=True) -> Tensor");
+
   // ---- SiLU-and-mul + int8 quant ----------------------------------------------------------
   m.def(
       "silu_and_mul_quant(Tensor input, Tensor? scale=None, *, bool enable_pdl=True,"
       " int threads_per_row=0, int cluster=0) -> (Tensor, Tensor)");
+
+  m.def("silu_and_mul(Tensor input, *, bool enable_pdl=True) -> Tensor");
+
+  // ---- rotary position embedding (rotate-half), in place on q and k ------------------------
+  m.def(
+      "rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor cos,"
+      " Tensor sin, *, bool enable_pdl=True) -> ()");
 
   // ---- int8 x int8 GEMM with dequantizing epilogue ----------------------------------------
   // gemv_shape / gemv_early: the decode GEMV's launch (qops.GemvTuning; [] / -1 = its choice).

@@ -22,7 +22,8 @@ using fq::Vec;
 struct ActParams {
   const void* in;
   int64_t in_stride;
-  int8_t* out;
+  int8_t* out;      // int8 output (silu_and_mul_quant)
+  void* out_float;  // T output (silu_and_mul; out is then nullptr)
   float* scale_out;
   const float* static_scale;  // nullptr: dynamic per-token scales
   int64_t rows;
@@ -38,7 +39,8 @@ __device__ __forceinline__ float silu(float g) {
   return __fdividef(g, 1.0f + __expf(-g));
 }
 
-template <typename T, int VEC, int NV>
+// kQ = false (silu_and_mul): y rounded once to T into p.out_float; no amax, no scale, no barrier.
+template <typename T, int VEC, int NV, bool kQ = true>
 __global__ void __launch_bounds__(fq::max_threads_for(NV* VEC), fq::min_blocks_for(NV* VEC))
     silu_and_mul_quant_kernel(const ActParams p) {
   __shared__ float red[2][32];
@@ -52,12 +54,12 @@ __global__ void __launch_bounds__(fq::max_threads_for(NV* VEC), fq::min_blocks_f
   const int nvec = p.inter / VEC;
   const int v0 = rank * p.slice;
   const int v1 = min(nvec, v0 + p.slice);
-  const bool dynamic = p.static_scale == nullptr;
-  // Static scales: the slices of a row never meet (no cluster launch).
+  const bool dynamic = kQ && p.static_scale == nullptr;
+  // Static scales (and no quantization): the slices of a row never meet (no cluster launch).
   const bool sync_cluster = dynamic && C > 1;
 
-  const float s_static = dynamic ? 0.0f : __ldg(p.static_scale);
-  if (!dynamic && blockIdx.x == 0 && tid == 0 && threadIdx.y == 0) p.scale_out[0] = s_static;
+  const float s_static = (!kQ || dynamic) ? 0.0f : __ldg(p.static_scale);
+  if (kQ && !dynamic && blockIdx.x == 0 && tid == 0 && threadIdx.y == 0) p.scale_out[0] = s_static;
   const RowQuant qz_static(s_static);
 
   {
@@ -94,6 +96,22 @@ __global__ void __launch_bounds__(fq::max_threads_for(NV* VEC), fq::min_blocks_f
       }
     }
 
+    if constexpr (!kQ) {
+      if (row_ok) {
+        T* o = static_cast<T*>(p.out_float) + row * static_cast<int64_t>(p.inter);
+#pragma unroll
+        for (int k = 0; k < NV; ++k) {
+          const int v = v0 + tid + k * tpr;
+          if (v < v1) {
+            Vec<T, VEC> ov;
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) ov.v[j] = from_float<T>(y[k][j]);
+            fq::store<T, VEC>(o + v * VEC, ov);
+          }
+        }
+      }
+      return;
+    }
     float s = s_static;
     if (dynamic) {
       float unused = 0.0f;
@@ -129,6 +147,9 @@ __global__ void __launch_bounds__(fq::max_threads_for(NV* VEC), fq::min_blocks_f
 template <typename T, int VEC, int NV>
 cudaError_t launch(const ActParams& p, const fq::RowShape& sh, cudaStream_t stream) {
   const int64_t row_blocks = (p.rows + sh.rows_per_block - 1) / sh.rows_per_block;
+  if (p.out == nullptr)  // silu_and_mul: the slices of a row never meet
+    return fq::launch_rows(silu_and_mul_quant_kernel<T, VEC, NV, false>, p, sh, row_blocks, stream,
+                           /*use_cluster=*/false);
   return fq::launch_rows(silu_and_mul_quant_kernel<T, VEC, NV>, p, sh, row_blocks, stream,
                          /*use_cluster=*/p.static_scale == nullptr);
 }
@@ -140,22 +161,22 @@ cudaError_t dispatch_nv(const ActParams& p, const fq::RowShape& sh, cudaStream_t
   });
 }
 
-}  // namespace
-
+// Both ops: out (int8) or out_float (T), the other nullptr.
 template <typename T>
-cudaError_t silu_and_mul_quant(const T* in, int64_t in_row_stride, int8_t* out, float* scale_out,
-                               const float* static_scale, int64_t rows, int64_t inter,
-                               cudaStream_t stream, FusedQuantTuning tuning) {
+cudaError_t silu_and_mul_impl(const T* in, int64_t in_row_stride, int8_t* out, T* out_float,
+                              float* scale_out, const float* static_scale, int64_t rows,
+                              int64_t inter, cudaStream_t stream, FusedQuantTuning tuning) {
   if (inter <= 0 || rows < 0 || inter > (1 << 29)) return cudaErrorInvalidValue;
   if (rows == 0) {
-    if (static_scale == nullptr) return cudaSuccess;
+    if (static_scale == nullptr || out == nullptr) return cudaSuccess;
     return cudaMemcpyAsync(scale_out, static_scale, sizeof(float), cudaMemcpyDeviceToDevice,
                            stream);
   }
   constexpr int VEC = 16 / sizeof(T);
   constexpr int64_t kBytes = sizeof(T);
   const bool vec_ok = inter % VEC == 0 && is_aligned(in, 16) &&
-                      (in_row_stride * kBytes) % 16 == 0 && is_aligned(out, 8);
+                      (in_row_stride * kBytes) % 16 == 0 &&
+                      (out != nullptr ? is_aligned(out, 8) : is_aligned(out_float, 16));
   const fq::DeviceInfo dev = fq::device_info();
   fq::ShapeHints hints{tuning.threads_per_row_target, tuning.cluster};
   fq::RowShape sh;
@@ -167,21 +188,36 @@ cudaError_t silu_and_mul_quant(const T* in, int64_t in_row_stride, int8_t* out, 
   if (!ok) return cudaErrorInvalidValue;
   sh.pdl = tuning.pdl;
   const int64_t nvec = inter / sh.vec;
-  ActParams p{in,
-              in_row_stride,
-              out,
-              scale_out,
-              static_scale,
-              rows,
-              static_cast<int>(inter),
-              sh.cluster,
-              static_cast<int>((nvec + sh.cluster - 1) / sh.cluster)};
+  ActParams p{in,         in_row_stride,
+              out,        out_float,
+              scale_out,  static_scale,
+              rows,       static_cast<int>(inter),
+              sh.cluster, static_cast<int>((nvec + sh.cluster - 1) / sh.cluster)};
   return vec_ok ? dispatch_nv<T, VEC>(p, sh, stream) : dispatch_nv<T, 1>(p, sh, stream);
 }
 
-#define QOPS_INSTANTIATE(T)                                                                    \
-  template cudaError_t silu_and_mul_quant<T>(const T*, int64_t, int8_t*, float*, const float*, \
-                                             int64_t, int64_t, cudaStream_t, FusedQuantTuning);
+}  // namespace
+
+template <typename T>
+cudaError_t silu_and_mul_quant(const T* in, int64_t in_row_stride, int8_t* out, float* scale_out,
+                               const float* static_scale, int64_t rows, int64_t inter,
+                               cudaStream_t stream, FusedQuantTuning tuning) {
+  return silu_and_mul_impl<T>(in, in_row_stride, out, nullptr, scale_out, static_scale, rows, inter,
+                              stream, tuning);
+}
+
+template <typename T>
+cudaError_t silu_and_mul(const T* in, int64_t in_row_stride, T* out, int64_t rows, int64_t inter,
+                         cudaStream_t stream, FusedQuantTuning tuning) {
+  return silu_and_mul_impl<T>(in, in_row_stride, nullptr, out, nullptr, nullptr, rows, inter,
+                              stream, tuning);
+}
+
+#define QOPS_INSTANTIATE(T)                                                                     \
+  template cudaError_t silu_and_mul_quant<T>(const T*, int64_t, int8_t*, float*, const float*,  \
+                                             int64_t, int64_t, cudaStream_t, FusedQuantTuning); \
+  template cudaError_t silu_and_mul<T>(const T*, int64_t, T*, int64_t, int64_t, cudaStream_t,   \
+                                       FusedQuantTuning);
 QOPS_INSTANTIATE(__half)
 QOPS_INSTANTIATE(__nv_bfloat16)
 #undef QOPS_INSTANTIATE

@@ -25,4 +25,11 @@ cudaError_t silu_and_mul_quant(const T* in, int64_t in_row_stride, int8_t* out, 
                                const float* static_scale, int64_t rows, int64_t inter,
                                cudaStream_t stream, FusedQuantTuning tuning = {});
 
+// The same SiLU-and-mul without the quantization (the activation-dtype input of a W4A16 GEMM):
+//   out[row, :] = T(silu(g) * u)   (float32 as above, one rounding to T)
+// into `out` contiguous [rows, inter] (16-byte aligned for the vector path).
+template <typename T>
+cudaError_t silu_and_mul(const T* in, int64_t in_row_stride, T* out, int64_t rows, int64_t inter,
+                         cudaStream_t stream, FusedQuantTuning tuning = {});
+
 }  // namespace qops

@@ -64,9 +64,9 @@ cudaError_t rms_norm_quant(const T* in, int64_t in_row_stride, T* residual,
                        (is_aligned(residual, 16) && (residual_row_stride * kBytes) % 16 == 0)) &&
                       is_aligned(out, 8);
   const fq::DeviceInfo dev = fq::device_info();
-  const norm::RmsNormArgs<T> args{in,     in_row_stride, residual,  residual_row_stride,
-                                  weight, out,           scale_out, static_scale,
-                                  rows,   hidden,        eps};
+  const norm::RmsNormArgs<T> args{in,           in_row_stride, residual, residual_row_stride,
+                                  weight,       out,           nullptr,  scale_out,
+                                  static_scale, rows,          hidden,   eps};
   if (vec_ok && tuning.norm_variant != kNormVariantRowResident &&
       (tuning.norm_variant == kNormVariantPipelined ||
        pipelined_by_default(rows, hidden * kBytes, dev.sms, residual != nullptr))) {
@@ -78,9 +78,30 @@ cudaError_t rms_norm_quant(const T* in, int64_t in_row_stride, T* residual,
   return norm::rms_norm_quant_rowres<T>(args, vec_ok, dev, tuning, stream);
 }
 
-#define QOPS_INSTANTIATE(T)                                                                 \
-  template cudaError_t rms_norm_quant<T>(const T*, int64_t, T*, int64_t, const T*, int8_t*, \
-                                         float*, const float*, int64_t, int64_t, float,     \
+template <typename T>
+cudaError_t rms_norm(const T* in, int64_t in_row_stride, T* residual, int64_t residual_row_stride,
+                     const T* weight, T* out, int64_t rows, int64_t hidden, float eps,
+                     cudaStream_t stream, FusedQuantTuning tuning) {
+  if (hidden <= 0 || rows < 0 || hidden > (1 << 30)) return cudaErrorInvalidValue;
+  if (rows == 0) return cudaSuccess;
+  constexpr int VEC = 16 / sizeof(T);
+  constexpr int64_t kBytes = sizeof(T);
+  const bool vec_ok = hidden % VEC == 0 && is_aligned(in, 16) &&
+                      (in_row_stride * kBytes) % 16 == 0 && is_aligned(weight, 16) &&
+                      (residual == nullptr ||
+                       (is_aligned(residual, 16) && (residual_row_stride * kBytes) % 16 == 0)) &&
+                      is_aligned(out, 16);
+  const norm::RmsNormArgs<T> args{in,      in_row_stride, residual, residual_row_stride,
+                                  weight,  nullptr,       out,      nullptr,
+                                  nullptr, rows,          hidden,   eps};
+  return norm::rms_norm_quant_rowres<T>(args, vec_ok, fq::device_info(), tuning, stream);
+}
+
+#define QOPS_INSTANTIATE(T)                                                                        \
+  template cudaError_t rms_norm<T>(const T*, int64_t, T*, int64_t, const T*, T*, int64_t, int64_t, \
+                                   float, cudaStream_t, FusedQuantTuning);                         \
+  template cudaError_t rms_norm_quant<T>(const T*, int64_t, T*, int64_t, const T*, int8_t*,        \
+                                         float*, const float*, int64_t, int64_t, float,            \
                                          cudaStream_t, FusedQuantTuning);
 QOPS_INSTANTIATE(__half)
 QOPS_INSTANTIATE(__nv_bfloat16)

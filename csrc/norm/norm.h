@@ -34,6 +34,17 @@ cudaError_t rms_norm_quant(const T* in, int64_t in_row_stride, T* residual,
                            int64_t hidden, float eps, cudaStream_t stream,
                            FusedQuantTuning tuning = {});
 
+// The same RMSNorm (+ residual add) without the quantization (the activation-dtype input of a
+// W4A16 GEMM): residual handling and rstd as above, then
+//   out[row, :] = T(float(z) * w * rstd)      (float32 products, one rounding to T)
+// into `out` contiguous [rows, hidden] (16-byte aligned for the vector path). The row-resident
+// kernel only (the pipelined one quantizes). Returns cudaErrorInvalidValue for an unsupported size,
+// else the first CUDA error.
+template <typename T>
+cudaError_t rms_norm(const T* in, int64_t in_row_stride, T* residual, int64_t residual_row_stride,
+                     const T* weight, T* out, int64_t rows, int64_t hidden, float eps,
+                     cudaStream_t stream, FusedQuantTuning tuning = {});
+
 // Largest hidden size on the 16-byte path (2-byte T; 8 CTAs x 256 threads x 8 vectors of 8;
 // without clusters, 16384) and on the scalar path.
 constexpr int64_t kRmsNormMaxHiddenVec = 8 * 256 * 8 * 8;

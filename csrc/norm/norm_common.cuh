@@ -28,7 +28,8 @@ struct NormParams {
   void* residual;  // nullptr: no residual add
   int64_t res_stride;
   const void* weight;
-  int8_t* out;
+  int8_t* out;      // int8 output (quantizing kernels)
+  void* out_float;  // T output (rms_norm: no quantization; out is then nullptr)
   float* scale_out;
   const float* static_scale;  // nullptr: dynamic per-token scales
   int64_t rows;
@@ -56,7 +57,8 @@ struct RmsNormArgs {
   T* residual;  // nullptr: no residual add
   int64_t residual_row_stride;
   const T* weight;
-  int8_t* out;
+  int8_t* out;   // nullptr: no quantization, the normalized row goes to out_float
+  T* out_float;  // [rows, hidden] in T (rms_norm), or nullptr
   float* scale_out;
   const float* static_scale;  // nullptr: dynamic per-token scales
   int64_t rows;

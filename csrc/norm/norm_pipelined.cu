@@ -446,6 +446,7 @@ cudaError_t rms_norm_quant_pipelined(const RmsNormArgs<T>& a, const FusedQuantTu
                       a.residual_row_stride,
                       a.weight,
                       a.out,
+                      nullptr,  // out_float: the pipelined kernel only quantizes
                       a.scale_out,
                       a.static_scale,
                       a.rows,

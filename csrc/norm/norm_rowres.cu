@@ -95,11 +95,15 @@ __device__ __forceinline__ void store_row_p(int8_t* o, const float (&pz)[NV][VEC
 // Without a residual, x is loaded with L1::no_allocate (fq::load_stream): read once, it would
 // otherwise evict the weight, which every row re-reads from L1 (4096 x 4096 bf16: 24.5 -> 21.4 us;
 // with a residual it measured 0-2% slower at the Llama sizes, so the fused add keeps plain loads).
-template <typename T, int VEC, int NV, bool kRes, bool kTight = false>
+//
+// kQ = false (rms_norm, fused_add_rms_norm): the same kernel without the quantizer: no amax, no
+// scale, and y = (z * w) * rstd rounded once to T into p.out_float.
+template <typename T, int VEC, int NV, bool kRes, bool kTight = false, bool kQ = true>
 __global__ void __launch_bounds__(kTight ? kTightThreads : norm_max_threads(NV * VEC),
                                   kTight ? kTightMinBlocks : 1)
     rms_norm_quant_kernel(const NormParams p) {
   static_assert(!kTight || (!kRes && NV * VEC == kTightElems), "kTight: no residual, 16 elements");
+  static_assert(kQ || !kTight, "kTight: quantizing build only");
   __shared__ float red[2][32];
   __shared__ float part[2];
   __shared__ float fin[32][3];  // per row of the block: rstd, scale, 1 / scale (one-warp finish)
@@ -112,11 +116,11 @@ __global__ void __launch_bounds__(kTight ? kTightThreads : norm_max_threads(NV *
   const int nvec = p.hidden / VEC;
   const int v0 = rank * p.slice;
   const int v1 = min(nvec, v0 + p.slice);
-  const bool dynamic = p.static_scale == nullptr;
+  const bool dynamic = kQ && p.static_scale == nullptr;
   const T* w = static_cast<const T*>(p.weight);
 
-  const float s_static = dynamic ? 0.0f : __ldg(p.static_scale);
-  if (!dynamic && blockIdx.x == 0 && tid == 0 && threadIdx.y == 0) p.scale_out[0] = s_static;
+  const float s_static = (!kQ || dynamic) ? 0.0f : __ldg(p.static_scale);
+  if (kQ && !dynamic && blockIdx.x == 0 && tid == 0 && threadIdx.y == 0) p.scale_out[0] = s_static;
 
   {
     const int64_t rb = C > 1 ? blockIdx.x / C : blockIdx.x;
@@ -225,7 +229,29 @@ __global__ void __launch_bounds__(kTight ? kTightThreads : norm_max_threads(NV *
     const float rstd = rs_s.x, s = rs_s.y;
     const RowQuant qz = shared_recip ? RowQuant(s, recip) : RowQuant(s);
 
-    if (row_ok) {
+    if constexpr (!kQ) {
+      if (row_ok) {
+        T* o = static_cast<T*>(p.out_float) + row * static_cast<int64_t>(p.hidden);
+#pragma unroll
+        for (int k = 0; k < NV; ++k) {
+          const int v = v0 + tid + k * tpr;
+          if (v < v1) {
+            Vec<T, VEC> ov;
+            if constexpr (kKeepP) {
+#pragma unroll
+              for (int j = 0; j < VEC; ++j) ov.v[j] = from_float<T>(pz[k][j] * rstd);
+            } else {
+              const Vec<T, VEC> wv = fq::reload_ldg<T, VEC>(w + v * VEC);
+#pragma unroll
+              for (int j = 0; j < VEC; ++j)
+                ov.v[j] = from_float<T>((to_float(zv[k].v[j]) * to_float(wv.v[j])) * rstd);
+            }
+            fq::store<T, VEC>(o + v * VEC, ov);
+          }
+          asm volatile("" ::: "memory");  // one vector at a time (see store_row)
+        }
+      }
+    } else if (row_ok) {
       // A dynamic scale on the fast path (s <= 1e30) has no +-Inf y: the quantizer's Inf select
       // can go (quant_one's kInfCheck, common/quant.cuh).
       int8_t* o = p.out + row * static_cast<int64_t>(p.hidden);
@@ -252,6 +278,11 @@ __global__ void __launch_bounds__(kTight ? kTightThreads : norm_max_threads(NV *
 template <typename T, int VEC, int NV>
 cudaError_t launch(const NormParams& p, const fq::RowShape& sh, cudaStream_t stream) {
   const int64_t row_blocks = (p.rows + sh.rows_per_block - 1) / sh.rows_per_block;
+  if (p.out == nullptr) {  // rms_norm / fused_add_rms_norm: T output
+    auto kernel = p.residual != nullptr ? rms_norm_quant_kernel<T, VEC, NV, true, false, false>
+                                        : rms_norm_quant_kernel<T, VEC, NV, false, false, false>;
+    return fq::launch_rows(kernel, p, sh, row_blocks, stream);
+  }
   auto kernel = p.residual != nullptr ? rms_norm_quant_kernel<T, VEC, NV, true>
                                       : rms_norm_quant_kernel<T, VEC, NV, false>;
   if constexpr (VEC > 1 && NV * VEC == kTightElems) {
@@ -296,12 +327,19 @@ cudaError_t rms_norm_quant_rowres(const RmsNormArgs<T>& a, bool vec_ok, const fq
   if (!ok) return cudaErrorInvalidValue;
   sh.pdl = tuning.pdl;
   const int64_t nvec = hidden / sh.vec;
-  NormParams p{a.in,        a.in_row_stride,
-               a.residual,  a.residual_row_stride,
-               a.weight,    a.out,
-               a.scale_out, a.static_scale,
-               rows,        static_cast<int>(hidden),
-               sh.cluster,  static_cast<int>((nvec + sh.cluster - 1) / sh.cluster),
+  NormParams p{a.in,
+               a.in_row_stride,
+               a.residual,
+               a.residual_row_stride,
+               a.weight,
+               a.out,
+               a.out_float,
+               a.scale_out,
+               a.static_scale,
+               rows,
+               static_cast<int>(hidden),
+               sh.cluster,
+               static_cast<int>((nvec + sh.cluster - 1) / sh.cluster),
                a.eps};
   return vec_ok ? dispatch_nv<T, VEC>(p, sh, stream) : dispatch_nv<T, 1>(p, sh, stream);
 }

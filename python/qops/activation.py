@@ -1,4 +1,5 @@
-"""SiLU-and-mul fused with int8 quantization: ``silu_and_mul_quant``.
+"""SiLU-and-mul fused with int8 quantization: ``silu_and_mul_quant``; and ``silu_and_mul`` with an
+activation-dtype output (the input of a W4A16 GEMM).
 
 The reference below is the numerical contract (docs/ops.md, docs/norm_activation.md): the gated
 activation in float32, then symmetric int8 quantization through :mod:`qops.quantization`.
@@ -130,3 +131,33 @@ def silu_and_mul_quant(
     return torch.ops.qops.silu_and_mul_quant(
         input, scale, enable_pdl=envs.pdl(enable_pdl), threads_per_row=t.threads_per_row, cluster=t.cluster
     )
+
+
+# ---- silu_and_mul (no quantization) ---------------------------------------------------------------
+@reference("silu_and_mul")
+def _silu_and_mul_ref(input: torch.Tensor, *, enable_pdl: bool = True) -> torch.Tensor:
+    _check_args("silu_and_mul", input, None)
+    return _silu_and_mul_f32(input).to(input.dtype).contiguous()
+
+
+@fake("silu_and_mul")
+def _silu_and_mul_fake(input, **options):
+    return input.new_empty((*input.shape[:-1], input.shape[-1] // 2))
+
+
+@export
+def silu_and_mul(input: torch.Tensor, *, enable_pdl: bool | None = None) -> torch.Tensor:
+    """SiLU-and-mul with an output in the input's dtype (one fused kernel on CUDA).
+
+    ``(g / (1 + torch.exp(-g)) * u).to(input.dtype)`` with ``g, u = input.float()[..., :I],
+    input.float()[..., I:]``: float32, one rounding at the end. The CUDA kernel uses a fast
+    exponential and division (as :func:`silu_and_mul_quant`): within one unit in the last place of
+    the output dtype of the reference.
+
+    Args:
+        input: ``[..., 2*I]`` float16 or bfloat16 (gate then up), last dimension contiguous.
+        enable_pdl: keyword-only; programmatic dependent launch (see :func:`qops.rms_norm_quant`).
+    Returns:
+        ``out [..., I]`` in the input's dtype, contiguous.
+    """
+    return torch.ops.qops.silu_and_mul(input, enable_pdl=envs.pdl(enable_pdl))

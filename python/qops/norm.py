@@ -1,5 +1,6 @@
 """RMSNorm (+ residual add) fused with int8 quantization: ``rms_norm_quant`` and
-``fused_add_rms_norm_quant``.
+``fused_add_rms_norm_quant``; and the same norms with an activation-dtype output, ``rms_norm`` and
+``fused_add_rms_norm`` (the input of a W4A16 GEMM).
 
 The references below are the numerical contract (docs/ops.md, docs/norm_activation.md): RMSNorm in
 float32, then symmetric int8 quantization through :mod:`qops.quantization`, either with a static
@@ -101,6 +102,27 @@ def _quantize(y: torch.Tensor, scale: torch.Tensor | None) -> tuple[torch.Tensor
     return quantize_int8(y, s).contiguous(), scale.reshape(1).clone()
 
 
+def _add_residual(op: str, input: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """Checks ``residual`` and updates it in place to ``input + residual``; returns it."""
+    check_dtype(residual, input.dtype, op, "residual")
+    check(
+        residual.shape == input.shape,
+        op,
+        f"residual must have the input's shape {tuple(input.shape)}, got {tuple(residual.shape)}",
+    )
+    check(residual.device == input.device, op, f"residual must be on {input.device}, got {residual.device}")
+    check(
+        residual.shape[-1] == 1 or residual.stride(-1) == 1,
+        op,
+        "residual's last dimension must be contiguous (stride 1)",
+    )
+    # The sum is formed in float32 and rounded once to the input dtype (what the kernel does, and
+    # what PyTorch's half addition does); the norm then reads the rounded residual.
+    new_res = (input.float() + residual.float()).to(input.dtype)
+    residual.copy_(new_res)
+    return residual
+
+
 # ---- rms_norm_quant ------------------------------------------------------------------------------
 @reference("rms_norm_quant")
 def _rms_norm_quant_ref(
@@ -196,22 +218,7 @@ def _fused_add_rms_norm_quant_ref(
     _check_tuning(
         op, NormTuning(threads_per_row=threads_per_row, cluster=cluster, variant=variant, pipe_stages=pipe_stages)
     )
-    check_dtype(residual, input.dtype, op, "residual")
-    check(
-        residual.shape == input.shape,
-        op,
-        f"residual must have the input's shape {tuple(input.shape)}, got {tuple(residual.shape)}",
-    )
-    check(residual.device == input.device, op, f"residual must be on {input.device}, got {residual.device}")
-    check(
-        residual.shape[-1] == 1 or residual.stride(-1) == 1,
-        op,
-        "residual's last dimension must be contiguous (stride 1)",
-    )
-    # The sum is formed in float32 and rounded once to the input dtype (what the kernel does, and
-    # what PyTorch's half addition does); the norm then reads the rounded residual.
-    new_res = (input.float() + residual.float()).to(input.dtype)
-    residual.copy_(new_res)
+    new_res = _add_residual(op, input, residual)
     return _quantize(_rms_norm_f32(new_res, weight, epsilon), scale)
 
 
@@ -250,3 +257,86 @@ def fused_add_rms_norm_quant(
     return torch.ops.qops.fused_add_rms_norm_quant(
         input, residual, weight, epsilon, scale, **_tuning_kwargs(enable_pdl, tuning)
     )
+
+
+# ---- rms_norm, fused_add_rms_norm (no quantization) ---------------------------------------------
+def _rms_norm_out(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return y.to(dtype).contiguous()
+
+
+@reference("rms_norm")
+def _rms_norm_ref(
+    input: torch.Tensor, weight: torch.Tensor, epsilon: float, *, enable_pdl: bool = True
+) -> torch.Tensor:
+    _check_norm_args("rms_norm", input, weight, epsilon, None)
+    return _rms_norm_out(_rms_norm_f32(input, weight, epsilon), input.dtype)
+
+
+@fake("rms_norm")
+def _rms_norm_fake(input, weight, epsilon, **options):
+    return torch.empty_like(input, memory_format=torch.contiguous_format)
+
+
+@export
+def rms_norm(
+    input: torch.Tensor, weight: torch.Tensor, epsilon: float, *, enable_pdl: bool | None = None
+) -> torch.Tensor:
+    """RMSNorm with an output in the input's dtype (one fused kernel on CUDA).
+
+    ``(input.float() * torch.rsqrt(input.float().pow(2).mean(-1, keepdim=True) + epsilon)
+    * weight.float()).to(input.dtype)``: float32 throughout, one rounding at the end (Hugging
+    Face's ``LlamaRMSNorm`` rounds the normalized value to the input dtype before the weight
+    multiply; the results differ by at most one rounding). The CUDA kernel multiplies in the order
+    ``(x * w) * rstd``: within one unit in the last place of the output dtype of the reference.
+
+    Args:
+        input: ``[..., H]`` float16 or bfloat16, last dimension contiguous (see
+            :func:`rms_norm_quant` for strided rows).
+        weight: ``[H]``, the input's dtype.
+        epsilon: added to the mean square.
+        enable_pdl: keyword-only; programmatic dependent launch (see :func:`rms_norm_quant`).
+    Returns:
+        ``out [..., H]`` in the input's dtype, contiguous.
+    """
+    return torch.ops.qops.rms_norm(input, weight, epsilon, enable_pdl=envs.pdl(enable_pdl))
+
+
+@reference("fused_add_rms_norm")
+def _fused_add_rms_norm_ref(
+    input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, epsilon: float, *, enable_pdl: bool = True
+) -> torch.Tensor:
+    op = "fused_add_rms_norm"
+    _check_norm_args(op, input, weight, epsilon, None)
+    new_res = _add_residual(op, input, residual)
+    return _rms_norm_out(_rms_norm_f32(new_res, weight, epsilon), input.dtype)
+
+
+@fake("fused_add_rms_norm")
+def _fused_add_rms_norm_fake(input, residual, weight, epsilon, **options):
+    return torch.empty_like(input, memory_format=torch.contiguous_format)
+
+
+@export
+def fused_add_rms_norm(
+    input: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    epsilon: float,
+    *,
+    enable_pdl: bool | None = None,
+) -> torch.Tensor:
+    """Residual add (in place) and RMSNorm with an output in the input's dtype.
+
+    ``residual.copy_((input.float() + residual.float()).to(input.dtype))``, then exactly
+    :func:`rms_norm` of the rounded residual.
+
+    Args:
+        input: ``[..., H]`` float16 or bfloat16, last dimension contiguous.
+        residual: same shape and dtype, last dimension contiguous; updated in place.
+        weight: ``[H]``, the input's dtype.
+        epsilon: RMSNorm epsilon.
+        enable_pdl: keyword-only launch option (see :func:`rms_norm_quant`).
+    Returns:
+        ``out [..., H]`` in the input's dtype, contiguous.
+    """
+    return torch.ops.qops.fused_add_rms_norm(input, residual, weight, epsilon, enable_pdl=envs.pdl(enable_pdl))
