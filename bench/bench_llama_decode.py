@@ -35,7 +35,7 @@ import qops
 from bench.shapes import MODELS
 from qops.llama import QuantConfig, quantize
 from qops.llama.eval import format_table
-from qops.llama.timing import time_hf_decode, time_qops_decode
+from qops.llama.timing import profile_qops_decode, time_hf_decode, time_qops_decode
 from qops.testing import require_cuda
 
 # The models this benchmark builds: LlamaConfig keyword arguments (bench/shapes.py).
@@ -108,6 +108,9 @@ def sequences_at_budget(budget: float, weight_bytes: int, kv_bytes_per_token: in
     """Sequences of ``context`` tokens whose KV cache fits next to the weights in ``budget`` bytes
     (activations and workspace neglected: they are small at decode)."""
     return max(0, int((budget - weight_bytes) // (kv_bytes_per_token * context)))
+
+
+profile_rows: list[dict] = []  # --profile: kernel rows of every variant, written at the end
 
 
 def bench_model(name: str, a, dev, dtype) -> tuple[list[dict], list[dict]]:
@@ -184,6 +187,18 @@ def bench_model(name: str, a, dev, dtype) -> tuple[list[dict], list[dict]]:
                     f"  {label:28s} B={b:<3d} ctx={ctx:<5d} {r['tokens_per_s']:10.1f} tok/s  "
                     f"{r['step_ms_median']:8.2f} ms/step  {r.get('note', '')}",
                     flush=True,
+                )
+        if a.profile and dev.type == "cuda":
+            for ctx, b in grid:
+                prof_rows = profile_qops_decode(q, b, ctx)
+                total = sum(r["us_per_step"] for r in prof_rows)
+                print(f"  kernels of {variant} B={b} ctx={ctx}: {total:.0f} us of kernel time per step", flush=True)
+                for r in prof_rows[:20]:
+                    print(
+                        f"    {r['us_per_step']:8.1f} us {r['calls_per_step']:6.1f}x  {r['kernel'][:110]}", flush=True
+                    )
+                profile_rows.extend(
+                    {"model": name, "variant": variant, "batch": b, "context": ctx, **r} for r in prof_rows
                 )
         parked[variant] = None
         del q
@@ -285,6 +300,12 @@ def main(argv=None) -> int:
     )
     p.add_argument("--cuda-graph", action="store_true", help="also time the qops decode step as a CUDA graph")
     p.add_argument(
+        "--profile",
+        action="store_true",
+        help="also list each qops variant's decode-step kernels (device time per step, torch.profiler); "
+        "writes llama_decode_kernels.csv",
+    )
+    p.add_argument(
         "--budget-gib",
         type=float,
         default=None,
@@ -377,6 +398,11 @@ def main(argv=None) -> int:
         w = csv.DictWriter(f, fieldnames=keys)
         w.writeheader()
         w.writerows(all_rows)
+    if profile_rows:
+        with open(out / "llama_decode_kernels.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(profile_rows[0]))
+            w.writeheader()
+            w.writerows(profile_rows)
     plot(all_rows, out / "llama_decode.png")
     print("\n" + md)
     return 0

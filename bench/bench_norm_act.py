@@ -10,6 +10,12 @@ Run from the repository root:
     python -m bench.bench_norm_act --out bench/out            # the table, then the variants
     python -m bench.bench_norm_act --out bench/out --sweep    # plus launch-shape sweeps
     python -m bench.bench_norm_act --variants-only            # only the norm variant comparison
+    python -m bench.bench_norm_act --float-ops                # only the activation-dtype ops
+
+``--float-ops`` times the ops without the quantizer that the W4A16 layers (and every variant's
+RoPE) use: ``fused_add_rms_norm``, ``silu_and_mul`` and ``rotary_embedding`` (q and k of a fused
+qkv output, head_dim 128, 4 query heads per KV head), against the PyTorch eager code they replace
+in qops.llama and torch.compile of the same reference; writes ``bench_float_ops.csv``.
 
 The norm ops have two kernels (csrc/norm/norm_rowres.cu, norm_pipelined.cu): "rowres" (one row per CTA,
 registers only) and
@@ -29,10 +35,13 @@ import os
 import sys
 
 import torch
+import torch.nn.functional as F
 
 import qops
 from bench.shapes import NORM_ACT_MODELS
+from qops.llama.layers import rms_norm_float
 from qops.quantization import absmax_scale, quantize_int8
+from qops.rope import rotate
 from qops.testing import (
     bar_plot,
     bench_us,
@@ -149,6 +158,98 @@ def table(args, dtype, copy):
                 print(
                     f"{op:16s} {model:11s} T={T:6d} {size:6d}: {us:9.2f} us {r['GBps']:7.0f} GB/s "
                     f"({r['frac_copy']:.2f} of copy)  compile {r['compile_us']:9.2f} us  x{r['vs_compile']:.2f}",
+                    flush=True,
+                )
+            torch._dynamo.reset()
+    return rows
+
+
+# ---- the activation-dtype ops (no quantizer) ------------------------------------------------------
+def _eager_add_norm(x, r, w):
+    r.add_(x)
+    return rms_norm_float(r, w, EPS)
+
+
+def _eager_silu(x):
+    g, u = x.chunk(2, dim=-1)
+    return F.silu(g) * u
+
+
+def _eager_rope(pos, q, k, cos, sin):
+    c, s = cos[pos], sin[pos]
+    q.copy_(rotate(q, c, s))
+    k.copy_(rotate(k, c, s))
+
+
+def float_ops_table(args, dtype, copy):
+    """qops' activation-dtype ops against PyTorch eager (what qops.llama ran before them) and
+    torch.compile of the eager code, at each model's sizes."""
+    comp = {
+        "add_norm_float": torch.compile(_eager_add_norm, dynamic=False),
+        "silu_float": torch.compile(_eager_silu, dynamic=False),
+        "rope": torch.compile(_eager_rope, dynamic=False),
+    }
+    e = dtype.itemsize
+    rows = []
+    for model, (H, I) in MODELS.items():
+        hq = max(1, H // 128)
+        hk = max(1, hq // 4)
+        cos = torch.randn(8192, 128, device="cuda")
+        sin = torch.randn(8192, 128, device="cuda")
+        for T in TOKENS:
+            for op in ("add_norm_float", "silu_float", "rope"):
+                if op == "add_norm_float":
+                    per_set, moved = 2 * T * H * e, 4 * T * H * e + H * e
+                elif op == "silu_float":
+                    per_set, moved = 2 * T * I * e, 3 * T * I * e
+                else:
+                    per_set = T * (hq + 2 * hk) * 128 * e
+                    moved = 2 * T * (hq + hk) * 128 * e + 2 * T * 8 + 4 * T * 128 * 4
+                n = l2_rotation_sets(per_set)
+                if op == "add_norm_float":
+                    xs = [torch.randn(T, H, device="cuda", dtype=dtype) for _ in range(n)]
+                    rs = [torch.randn(T, H, device="cuda", dtype=dtype) for _ in range(n)]
+                    w = torch.rand(H, device="cuda", dtype=dtype) + 0.5
+                    calls = {
+                        "qops": lambda i: lambda: qops.fused_add_rms_norm(xs[i], rs[i], w, EPS),
+                        "eager": lambda i: lambda: _eager_add_norm(xs[i], rs[i], w),
+                        "compile": lambda i: lambda: comp[op](xs[i], rs[i], w),
+                    }
+                elif op == "silu_float":
+                    xs = [torch.randn(T, 2 * I, device="cuda", dtype=dtype) for _ in range(n)]
+                    calls = {
+                        "qops": lambda i: lambda: qops.silu_and_mul(xs[i]),
+                        "eager": lambda i: lambda: _eager_silu(xs[i]),
+                        "compile": lambda i: lambda: comp[op](xs[i]),
+                    }
+                else:
+                    qkv = [torch.randn(T, (hq + 2 * hk) * 128, device="cuda", dtype=dtype) for _ in range(n)]
+                    qs = [t[:, : hq * 128].view(T, hq, 128) for t in qkv]
+                    ks = [t[:, hq * 128 : (hq + hk) * 128].view(T, hk, 128) for t in qkv]
+                    pos = torch.randint(0, 8192, (T,), device="cuda")
+                    calls = {
+                        "qops": lambda i: lambda: qops.rotary_embedding(pos, qs[i], ks[i], cos, sin),
+                        "eager": lambda i: lambda: _eager_rope(pos, qs[i], ks[i], cos, sin),
+                        "compile": lambda i: lambda: comp[op](pos, qs[i], ks[i], cos, sin),
+                    }
+                us = {k: bench_us(f, n) for k, f in calls.items() if k != "compile" or not args.no_compile}
+                r = {
+                    "op": op,
+                    "model": model,
+                    "T": T,
+                    "us": us["qops"],
+                    "GBps": gbps(moved, us["qops"]),
+                    "frac_copy": gbps(moved, us["qops"]) / copy,
+                    "eager_us": us["eager"],
+                    "vs_eager": us["eager"] / us["qops"],
+                    "compile_us": us.get("compile", float("nan")),
+                    "vs_compile": us.get("compile", float("nan")) / us["qops"],
+                }
+                rows.append(r)
+                print(
+                    f"{op:15s} {model:11s} T={T:6d}: {r['us']:8.2f} us ({r['frac_copy']:.2f} of copy)  "
+                    f"eager {r['eager_us']:8.2f} x{r['vs_eager']:.2f}  compile {r['compile_us']:8.2f} "
+                    f"x{r['vs_compile']:.2f}",
                     flush=True,
                 )
             torch._dynamo.reset()
@@ -326,6 +427,9 @@ def main() -> None:
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile anchors")
     p.add_argument("--no-variants", action="store_true", help="skip the rowres / pipelined norm comparison")
     p.add_argument("--variants-only", action="store_true", help="run only the rowres / pipelined norm comparison")
+    p.add_argument(
+        "--float-ops", action="store_true", help="run only the activation-dtype ops (rms_norm, silu_and_mul, rope)"
+    )
     args = p.parse_args()
     require_cuda("bench.bench_norm_act")
     os.makedirs(args.out, exist_ok=True)
@@ -334,6 +438,11 @@ def main() -> None:
     print(f"device: {torch.cuda.get_device_name()}  copy bandwidth (read+write): {copy:.0f} GB/s", flush=True)
     if args.variants_only:
         variants(args, dtype, copy)
+        return
+    if args.float_ops:
+        rows = float_ops_table(args, dtype, copy)
+        write_csv(rows, os.path.join(args.out, "bench_float_ops.csv"))
+        print_table(rows, ["op", "model", "T", "us", "frac_copy", "eager_us", "vs_eager", "compile_us", "vs_compile"])
         return
     if args.sweep:
         sweep(args, dtype, copy)

@@ -395,7 +395,15 @@ def test_w4a16_cuda_matches_cpu(variant):
     assert moved.layers[0].mlp.down_proj.packed_for == "cuda"
     m = compare(moved.score(ids.cuda()).cpu(), cpu_logits)
     assert m["rel"] < 0.03 and m["top1"] > 0.95, m
-    out_cpu = generate(build(sd, TINY128, qcfg), ids[:, :10].tolist(), 8)
-    out_gpu = generate(cuda, ids[:, :10].tolist(), 8)
-    agree = sum(a == b for x, y in zip(out_cpu.tokens, out_gpu.tokens) for a, b in zip(x, y))
-    assert agree >= 0.8 * 8 * ids.shape[0]
+    # Greedy generation on the GPU, checked token by token against the CPU model scoring the same
+    # sequences: a chosen token must be the CPU model's best up to a near-tie (a margin of 10% of
+    # the logits' RMS; the kernels' rounding may flip a near-tie, after which comparing the two
+    # generations token for token would compare different contexts).
+    prompts = ids[:, :10].tolist()
+    out_gpu = generate(moved, prompts, 8)
+    for prompt, new in zip(prompts, out_gpu.tokens):
+        assert len(new) > 0
+        ref = cpu.score(torch.tensor([prompt + new]))[0, len(prompt) - 1 : -1].float()
+        chosen = ref.gather(-1, torch.tensor(new)[:, None])[:, 0]
+        gap = ref.max(-1).values - chosen
+        assert (gap <= 0.1 * ref.pow(2).mean(-1).sqrt()).all(), (gap, new)

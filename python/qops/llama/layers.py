@@ -43,6 +43,7 @@ from torch import nn
 
 import qops
 from qops.quantization import quantize_per_channel
+from qops.rope import rotate
 from qops.w4a16 import N_MULTIPLE, dequantize_weight_int4, n_major, quantize_weight_int4
 
 from .cache import Int4PagedKVCache
@@ -332,6 +333,20 @@ def rms_norm_float(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return weight * y.to(x.dtype)
 
 
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """(``residual <- x + residual``, in place, then) RMSNorm in the model dtype: one fused op
+    (``qops.rms_norm`` / ``qops.fused_add_rms_norm``; float32 models: PyTorch)."""
+    if x.dtype in _HALF:
+        return qops.rms_norm(x, weight, eps) if residual is None else qops.fused_add_rms_norm(x, residual, weight, eps)
+    if residual is not None:
+        residual.add_(x)
+        x = residual
+    return rms_norm_float(x, weight, eps)
+
+
 class RMSNorm(nn.Module):
     """RMSNorm feeding one linear. ``forward(x, residual=None)``:
 
@@ -340,7 +355,8 @@ class RMSNorm(nn.Module):
 
     ``quantize=True``: ``y`` is returned as a ``QAct`` from ``qops.rms_norm_quant`` /
     ``qops.fused_add_rms_norm_quant`` (dynamic per-token scales, or the consumer's static
-    ``input_scale``); else a float tensor (plain PyTorch).
+    ``input_scale``); else a tensor in the model dtype from ``qops.rms_norm`` /
+    ``qops.fused_add_rms_norm`` (``add_rms_norm``).
     """
 
     def __init__(self, hidden_size: int, eps: float, *, quantize: bool, dtype, device=None) -> None:
@@ -353,10 +369,7 @@ class RMSNorm(nn.Module):
             if residual is None:
                 return QAct(*qops.rms_norm_quant(x, self.weight, self.eps, scale))
             return QAct(*qops.fused_add_rms_norm_quant(x, residual, self.weight, self.eps, scale))
-        if residual is not None:
-            residual.add_(x)
-            x = residual
-        return rms_norm_float(x, self.weight, self.eps)
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 # ---- RoPE ---------------------------------------------------------------------------------------
@@ -393,12 +406,15 @@ class Rotary(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``x [T, H, D]`` rotated at ``positions [T]`` (in float32, returned in ``x.dtype``);
         positions must be below the table size (``ensure``)."""
-        cos = self.cos[positions][:, None, :]
-        sin = self.sin[positions][:, None, :]
-        xf = x.float()
-        h = xf.shape[-1] // 2
-        rot = torch.cat((-xf[..., h:], xf[..., :h]), dim=-1)
-        return (xf * cos + rot * sin).to(x.dtype)
+        return rotate(x, self.cos[positions], self.sin[positions])
+
+    def apply_(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``q [T, H_q, D]`` and ``k [T, H_kv, D]`` rotated: in place by ``qops.rotary_embedding``
+        (one kernel for both on CUDA) in float16 / bfloat16, else by ``forward``. Returns them."""
+        if q.dtype in _HALF:
+            qops.rotary_embedding(positions, q, k, self.cos, self.sin)
+            return q, k
+        return self(q, positions), self(k, positions)
 
 
 # ---- attention ----------------------------------------------------------------------------------
@@ -481,8 +497,7 @@ class Attention(nn.Module):
         q, k = q.reshape(t, self.hq, self.d), k.reshape(t, self.hkv, self.d)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = rms_norm_float(q, self.q_norm, self.eps), rms_norm_float(k, self.k_norm, self.eps)
-        rot = self.rotary[0]
-        q, k = rot(q, ctx.positions), rot(k, ctx.positions)
+        q, k = self.rotary[0].apply_(q, k, ctx.positions)
         v = v.reshape(t, self.hkv, self.d)
         cache = ctx.cache
         cache.write(self.layer_idx, k, v, ctx.slot_mapping, ctx)
@@ -584,7 +599,7 @@ class MLP(nn.Module):
     """``down(silu(gate(x)) * up(x))`` with gate/up fused (rows ``[gate | up]``).
 
     W8A8: ``qops.silu_and_mul_quant`` hands ``down`` an int8 activation; float and W4A16:
-    PyTorch, in the model dtype."""
+    ``qops.silu_and_mul``, in the model dtype (float32 models: PyTorch)."""
 
     def __init__(self, gate_up: nn.Module, down: nn.Module) -> None:
         super().__init__()
@@ -594,6 +609,8 @@ class MLP(nn.Module):
         gu = self.gate_up_proj(x)
         if isinstance(self.down_proj, W8A8Linear):
             return self.down_proj(QAct(*qops.silu_and_mul_quant(gu, self.down_proj.input_scale)))
+        if gu.dtype in _HALF:
+            return self.down_proj(qops.silu_and_mul(gu))
         g, u = gu.chunk(2, dim=-1)
         return self.down_proj(F.silu(g) * u)
 

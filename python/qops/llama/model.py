@@ -28,8 +28,8 @@ from .layers import (
     StepContext,
     W4A16Linear,
     W8A8Linear,
+    add_rms_norm,
     make_linear,
-    rms_norm_float,
 )
 
 
@@ -210,8 +210,9 @@ class QuantizedLlamaForCausalLM(nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head
 
     def logits(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """Final residual add, RMSNorm and LM head: ``[T, H]`` -> float32 ``[T, V]``."""
-        x = rms_norm_float(hidden + residual, self.norm, self.args.rms_norm_eps)
+        """Final residual add, RMSNorm and LM head: ``[T, H]`` -> float32 ``[T, V]``. ``residual``
+        (the step's own stream, or rows gathered from it) is consumed: the add is in place."""
+        x = add_rms_norm(hidden, residual, self.norm, self.args.rms_norm_eps)
         w = self.head_weight()
         if x.device.type == "cpu" and x.dtype == torch.float16:
             # CPU float16 GEMMs are slow; float32 is faster and at least as accurate

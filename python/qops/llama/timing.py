@@ -138,6 +138,43 @@ def time_qops_decode(
     )
 
 
+@torch.no_grad()
+def profile_qops_decode(model, batch: int, context: int, steps: int = 5, warmup: int = 2) -> list[dict]:
+    """Where a decode step's GPU time goes: the kernels of ``steps`` eager decode steps of
+    ``model`` at ``batch`` x ``context`` (random K/V cache), grouped by kernel name, with the
+    device time and launch count per step, largest first (``torch.profiler``, CUDA activity).
+
+    Kernel times are what the GPU spent inside each kernel; the gaps between kernels (launch
+    overhead, which a CUDA graph removes) are not in the sum."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    dev = model.device
+    if dev.type != "cuda":
+        raise RuntimeError("profile_qops_decode profiles CUDA kernels: the model must be on a GPU")
+    cache = model.cache_for([context + warmup + steps + 1] * batch)
+    g = torch.Generator(device=dev)
+    g.manual_seed(0)
+    seq_ids = list(range(batch))
+    fill_cache_random(model, cache, seq_ids, context, g)
+    tok = torch.randint(0, model.args.vocab_size, (batch,), device=dev, generator=g).tolist()
+    for _ in range(warmup):
+        tok = model.step([[t] for t in tok], seq_ids, cache).argmax(-1).tolist()
+    _sync(dev)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            tok = model.step([[t] for t in tok], seq_ids, cache).argmax(-1).tolist()
+        _sync(dev)
+    agg: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            a = agg.setdefault(e.name, [0.0, 0.0])
+            a[0] += e.device_time_total
+            a[1] += 1
+    rows = [{"kernel": k, "us_per_step": t / steps, "calls_per_step": n / steps} for k, (t, n) in agg.items()]
+    return sorted(rows, key=lambda r: -r["us_per_step"])
+
+
 # ---- Hugging Face anchors ------------------------------------------------------------------------
 def _make_hf_cache(model, kind: str, batch: int, max_len: int):
     import transformers
