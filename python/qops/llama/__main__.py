@@ -12,6 +12,7 @@ Runs on a CPU (the qops reference ops) or a GPU (the CUDA kernels). Needs the ``
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -51,6 +52,10 @@ def _parse(argv):
 
 
 def main(argv=None) -> int:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun: the tensor-parallel entry point
+        from .parallel import main as tp_main
+
+        return tp_main(argv)
     a = _parse(argv)
     if torch.device(a.device).type == "cuda":
         require_cuda("python -m qops.llama", "for --device cuda; --device cpu runs the reference ops")
