@@ -401,6 +401,7 @@ def test_w4a16_cuda_matches_cpu(variant):
     # generations token for token would compare different contexts).
     prompts = ids[:, :10].tolist()
     out_gpu = generate(moved, prompts, 8)
+    cpu = build(sd, TINY128, qcfg)  # `moved` was `cpu` (Module.to moves in place): the same weights again
     for prompt, new in zip(prompts, out_gpu.tokens):
         assert len(new) > 0
         ref = cpu.score(torch.tensor([prompt + new]))[0, len(prompt) - 1 : -1].float()

@@ -14,7 +14,10 @@ Greedy tokens must be identical to TP 1's, and the logits identical on every ran
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import os
+import sys
+import traceback
 
 import pytest
 import torch
@@ -113,7 +116,13 @@ def tp1(name: str) -> dict:
     return run_case(m.eval(), args)
 
 
+# A worker that has not finished after this long dumps every thread's stack and exits 1: a hang (a
+# collective one rank never joins) becomes a failure with tracebacks.
+WORKER_TIMEOUT_S = 300
+
+
 def _worker(rank: int, world: int, init: str, out: str, names: list[str], device: str) -> None:
+    faulthandler.dump_traceback_later(WORKER_TIMEOUT_S, exit=True)
     backend = "nccl" if device == "cuda" else "gloo"
     dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
     if device == "cuda":
@@ -147,9 +156,16 @@ def _worker(rank: int, world: int, init: str, out: str, names: list[str], device
                 gd = GraphDecoder(m, caches[0], ids, max(len(p) for p in prompts) + 4)
                 res[name]["graph"] = gd.step(tok).clone().cpu()
                 res[name]["graph_eager"] = m.step([[t] for t in tok], ids, caches[1]).cpu()
+                # the captured graph holds NCCL work: release it before the process group goes
+                del gd
+                torch.cuda.synchronize()
         torch.save(res, os.path.join(out, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        # report now: with NCCL, tearing the group down while a peer waits in a collective hangs
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    dist.destroy_process_group()
 
 
 def spawn(world: int, tmp, names: list[str], device: str = "cpu") -> list[dict]:
