@@ -3,8 +3,12 @@ variants against the float model, on non-overlapping windows of a text.
 
     python -m qops.llama.eval                       # GPU: ~300k tokens of the Jargon File
     python -m qops.llama.eval --tokens 2048 --seq-len 256 --device cpu   # a short CPU slice
+    python -m qops.llama.eval --model DIR --text FILE   # any model (sources.resolve) and text
 
-Writes ``quality.md`` and ``quality.csv`` to ``--out``.
+Writes ``quality_{gpu,cpu}.md`` and ``.csv`` to ``--out``. The windows (``--layout spread``, the
+default) are ``--tokens // --seq-len`` disjoint windows spread evenly over the text; each variant
+gets a 95% percentile-bootstrap interval over windows of its perplexity and, paired with the
+reference's windows, of its perplexity ratio (``bootstrap_ci``).
 
 Definitions (per window of ``S`` tokens, positions ``t = 0 .. S-2`` predicting ``t+1``):
 ``ppl = exp(mean NLL)``; ``KL = mean_t sum_v p_ref(v) (log p_ref(v) - log p_q(v))`` with ``p`` the
