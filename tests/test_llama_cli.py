@@ -78,10 +78,12 @@ def test_resolve_kinds_and_bad_paths(model_dir, tmp_path):
     assert sources.resolve(str(model_dir)).kind == "hf"
     with pytest.raises(FileNotFoundError, match="no such file or folder"):
         sources.resolve(tmp_path / "missing")
+    (tmp_path / "m.gguf").write_bytes(b"")
+    assert sources.resolve(tmp_path / "m.gguf").kind == "gguf"  # read by smollm2.load_model(path=...)
     (tmp_path / "notes.txt").write_text("x")
     with pytest.raises(ValueError, match="not a .gguf"):
         sources.resolve(tmp_path / "notes.txt")
-    with pytest.raises(ValueError, match="no config.json"):
+    with pytest.raises(ValueError, match="no config.json.*holds m.gguf: pass that file"):
         sources.resolve(tmp_path)
     awq = tmp_path / "awq"
     awq.mkdir()
