@@ -238,33 +238,111 @@ class _Reader:
         self.tensors = [_Tensor(n, s) for n, s in shapes.items() if n not in drop]
 
 
-@pytest.fixture
-def fake_gguf(monkeypatch):
-    """``reader -> smollm2.read_state_dict`` result, with ``gguf.GGUFReader`` returning ``reader``."""
-    pytest.importorskip("transformers")
-    gguf = pytest.importorskip("gguf")
+def _llama_cpp_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """llama.cpp's q/k row permutation (convert_hf_to_gguf.py): rotate-half pairs interleaved."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_tiny_gguf(path, hf, extra_tensors=(), extra_fields=None):
+    """A real llama GGUF (F32 tensors) of a transformers ``LlamaForCausalLM``, written the way
+    llama.cpp's converter does (GGUF names, q/k permuted, untied output)."""
+    import gguf
+
+    cfg = hf.config
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(10000.0)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    for k, v in (extra_fields or {}).items():
+        w.add_key_value(k, v[0], v[1])
+    sd = {k: v.float().numpy() for k, v in hf.state_dict().items()}
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}  # fmt: skip
+    kinds = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+             "post_attention_layernorm": "ffn_norm"}  # fmt: skip
+    for k, t in sd.items():
+        if k in names:
+            w.add_tensor(names[k], t)
+            continue
+        _, _, i, *rest = k.split(".")
+        kind = kinds[".".join(rest[:-1])]
+        if kind == "attn_q":
+            t = _llama_cpp_permute(torch.from_numpy(t), cfg.num_attention_heads).numpy()
+        elif kind == "attn_k":
+            t = _llama_cpp_permute(torch.from_numpy(t), cfg.num_key_value_heads).numpy()
+        w.add_tensor(f"blk.{i}.{kind}.weight", t)
+    for name, t in extra_tensors:
+        w.add_tensor(name, t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _tiny_hf_llama():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                   tie_word_embeddings=False, rms_norm_eps=1e-5)  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def test_gguf_loads_through_transformers(tmp_path):
+    """A real GGUF written as llama.cpp writes it comes back as the model it was written from
+    (transformers' GGUF loading: dequantization, q/k unpermutation, names, config)."""
+    pytest.importorskip("gguf")
+    pytest.importorskip("accelerate")
     from qops.llama import smollm2
 
-    def read(reader):
-        monkeypatch.setattr(gguf, "GGUFReader", lambda path: reader)
-        return smollm2.read_state_dict("fake.gguf", progress=False)
+    hf = _tiny_hf_llama()
+    write_tiny_gguf(tmp_path / "tiny.gguf", hf)
+    m = smollm2.load_model(path=tmp_path / "tiny.gguf", progress=False)
+    assert type(m).__name__ == "LlamaForCausalLM" and m.config.num_key_value_heads == 2
+    ref = hf.state_dict()
+    for k, v in m.state_dict().items():
+        assert torch.equal(v, ref[k]), k
+    ids = torch.randint(0, 96, (1, 12))
+    torch.testing.assert_close(m(ids).logits, hf(ids).logits, rtol=0, atol=1e-5)
 
-    return read
 
+def test_gguf_loader_refuses_what_transformers_would_drop(tmp_path):
+    """transformers loads a llama GGUF with a rope_freqs tensor or RoPE scaling metadata without a
+    word, into a model that differs from the file's; qops refuses it."""
+    pytest.importorskip("gguf")
+    pytest.importorskip("accelerate")
+    import gguf
 
-def test_gguf_loader_reads_a_plain_llama(fake_gguf):
-    sd, cfg = fake_gguf(_Reader())
-    assert cfg.vocab_size == 96 and cfg.head_dim == 32 and cfg.tie_word_embeddings
-    assert sd["model.layers.0.mlp.down_proj.weight"].shape == (64, 128)
-    assert sd["lm_head.weight"] is sd["model.embed_tokens.weight"]
+    from qops.llama import smollm2
+
+    hf = _tiny_hf_llama()
+    write_tiny_gguf(tmp_path / "f.gguf", hf, extra_tensors=[("rope_freqs.weight", torch.ones(8).numpy())])
+    with pytest.raises(smollm2.UnsupportedGGUF, match="does not map.*rope_freqs.weight"):
+        smollm2.load_model(path=tmp_path / "f.gguf", progress=False)
+    scaling = {"llama.rope.scaling.type": ("linear", gguf.GGUFValueType.STRING),
+               "llama.rope.scaling.factor": (4.0, gguf.GGUFValueType.FLOAT32)}  # fmt: skip
+    write_tiny_gguf(tmp_path / "s.gguf", hf, extra_fields=scaling)
+    with pytest.raises(smollm2.UnsupportedGGUF, match="RoPE scaling"):
+        smollm2.load_model(path=tmp_path / "s.gguf", progress=False)
 
 
 @pytest.mark.parametrize("tensor", ["rope_freqs.weight", "blk.0.attn_q.bias", "blk.0.attn_q_norm.weight"])
-def test_gguf_loader_refuses_unmapped_tensors(fake_gguf, tensor):
-    from qops.llama.smollm2 import UnsupportedGGUF
+def test_gguf_check_refuses_unmapped_tensors(tensor):
+    from qops.llama.smollm2 import UnsupportedGGUF, check_gguf
 
+    check_gguf(_Reader())
     with pytest.raises(UnsupportedGGUF, match="does not map.*" + re.escape(tensor)):
-        fake_gguf(_Reader(extra_tensors={tensor: (16,)}))
+        check_gguf(_Reader(extra_tensors={tensor: (16,)}))
 
 
 @pytest.mark.parametrize(
@@ -275,24 +353,17 @@ def test_gguf_loader_refuses_unmapped_tensors(fake_gguf, tensor):
         {"llama.rope.dimension_count": 16},
     ],
 )
-def test_gguf_loader_refuses_rope_scaling_metadata(fake_gguf, fields):
-    from qops.llama.smollm2 import UnsupportedGGUF
+def test_gguf_check_refuses_rope_scaling_metadata(fields):
+    from qops.llama.smollm2 import UnsupportedGGUF, check_gguf
 
     with pytest.raises(UnsupportedGGUF, match="RoPE scaling|rope.dimension_count"):
-        fake_gguf(_Reader(extra_fields=fields))
+        check_gguf(_Reader(extra_fields=fields))
 
 
-def test_gguf_loader_ignores_neutral_rope_scaling(fake_gguf):
-    fake_gguf(_Reader(extra_fields={"llama.rope.scaling.type": "none", "llama.rope.scaling.factor": 1.0}))
+def test_gguf_check_ignores_neutral_rope_scaling():
+    from qops.llama.smollm2 import check_gguf
 
-
-def test_gguf_vocab_size_from_the_embedding_or_a_clear_error():
-    pytest.importorskip("transformers")
-    from qops.llama.smollm2 import UnsupportedGGUF, llama_config_from_gguf
-
-    assert llama_config_from_gguf(_Reader(drop={"llama.vocab_size"})).vocab_size == 96
-    with pytest.raises(UnsupportedGGUF, match="vocabulary size"):
-        llama_config_from_gguf(_Reader(drop={"llama.vocab_size", "token_embd.weight"}))
+    check_gguf(_Reader(extra_fields={"llama.rope.scaling.type": "none", "llama.rope.scaling.factor": 1.0}))
 
 
 def test_load_tokenizer_caches_per_gguf(monkeypatch, tmp_path):

