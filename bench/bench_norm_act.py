@@ -1,5 +1,6 @@
 """Fused RMSNorm(+residual add)+int8 quant and SiLU-and-mul+int8 quant against torch.compile of the
-reference, in one run, at real model sizes.
+reference (and, for the static-scale SiLU-and-mul, FBGEMM gen_ai's ``silu_mul_quantize_i8`` when
+fbgemm-gpu-genai is installed), in one run, at real model sizes.
 
 Reports the time per call (CUDA-graph replay, median, several input sets so that L2 does not
 flatter), GB/s of the bytes that must move (each input read once, each output written once), the
@@ -31,6 +32,7 @@ rule picks ("auto"). The sweep forces the launch shapes (``threads_per_row``, ``
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -38,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 import qops
+from bench.fbgemm_genai import load_fbgemm_genai
 from bench.shapes import NORM_ACT_MODELS
 from qops.llama.layers import rms_norm_float
 from qops.quantization import absmax_scale, quantize_int8
@@ -113,6 +116,14 @@ def bench_case(op, T, H, dtype, compiled=None, replays=50, tuning=None):
         return lambda: qops.rms_norm_quant(xs[i], w, EPS, s, tuning=tuning)
 
     us = bench_us(mk, n_sets, replays=replays)
+    fus = math.nan
+    if op == "silu_static" and not load_fbgemm_genai() and hasattr(torch.ops.fbgemm, "silu_mul_quantize_i8"):
+        # FBGEMM gen_ai's static-scale SiLU-and-mul + int8 (gate and up as separate tensors)
+        gs = [x[..., :H].contiguous() for x in xs]
+        us_ = [x[..., H:].contiguous() for x in xs]
+        fus = bench_us(
+            lambda i: lambda: torch.ops.fbgemm.silu_mul_quantize_i8(gs[i], us_[i], 0.05), n_sets, replays=replays
+        )
     cus = None
     if compiled is not None:
         if op.startswith("silu"):
@@ -120,7 +131,7 @@ def bench_case(op, T, H, dtype, compiled=None, replays=50, tuning=None):
         else:
             cus = bench_us(lambda i: lambda: compiled(xs[i], rs[i], w), n_sets, replays=replays)
     xs.clear()  # drop the tensors (the closures above hold the list)
-    return us, cus, moved
+    return us, cus, moved, fus
 
 
 def table(args, dtype, copy):
@@ -140,7 +151,7 @@ def table(args, dtype, copy):
                 if args.no_compile:
                     comp = None
                 size = I if op.startswith("silu") else H
-                us, cus, moved = bench_case(op, T, size, dtype, comp)
+                us, cus, moved, fus = bench_case(op, T, size, dtype, comp)
                 r = {
                     "op": op,
                     "model": model,
@@ -152,6 +163,8 @@ def table(args, dtype, copy):
                     "compile_us": cus if cus is not None else float("nan"),
                     "compile_GBps": gbps(moved, cus) if cus else float("nan"),
                     "vs_compile": (cus / us) if cus else float("nan"),
+                    "fbgemm_us": fus,
+                    "vs_fbgemm": fus / us,
                     "MB_moved": moved / 1e6,
                 }
                 rows.append(r)
@@ -302,7 +315,7 @@ def sweep(args, dtype, copy):
         auto = None
         for variant, tpr, cl, stages in _shape_grid(op, T):
             try:
-                us, _, moved = bench_case(
+                us, _, moved, _ = bench_case(
                     op, T, size, dtype, None, replays=20, tuning=_tuning(op, variant, tpr, cl, stages)
                 )
             except (RuntimeError, ValueError) as e:  # a shape that does not fit
@@ -385,7 +398,7 @@ def variants(args, dtype, copy):
                     ("pipelined_s2", "pipelined", 2),
                     ("pipelined_s3", "pipelined", 3),
                 ):
-                    us, _, moved = bench_case(op, T, H, dtype, None, tuning=_tuning(op, variant, stages=stages))
+                    us, _, moved, _ = bench_case(op, T, H, dtype, None, tuning=_tuning(op, variant, stages=stages))
                     r[f"{name}_us"] = us
                     r[f"{name}_frac"] = gbps(moved, us) / copy
                 r["ratio"] = r["rowres_us"] / r["pipelined_us"]
@@ -460,7 +473,10 @@ def main() -> None:
         os.path.join(args.out, "bench_norm_act.png"),
     )
     print(f"copy bandwidth {copy:.0f} GB/s; dtype {args.dtype}")
-    print_table(rows, ["op", "model", "T", "size", "us", "GBps", "frac_copy", "compile_us", "vs_compile"])
+    print_table(
+        rows,
+        ["op", "model", "T", "size", "us", "GBps", "frac_copy", "compile_us", "vs_compile", "fbgemm_us", "vs_fbgemm"],
+    )
     if not args.no_variants:
         variants(args, dtype, copy)
 

@@ -40,6 +40,7 @@ from qops.llama.config import LlamaArgs
 from qops.llama.eval import format_table
 from qops.llama.parallel import RandomSource, build_tp_model, init_tp
 from qops.llama.timing import time_qops_decode
+from qops.testing import require_cuda
 
 
 def _ints(s: str) -> list[int]:
@@ -59,13 +60,12 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--out", default="bench_out")
     a = p.parse_args(argv)
-    if a.device == "cuda" and not torch.cuda.is_available():
-        print(
-            f"bench.bench_tp_decode: needs CUDA GPUs (one per rank; launch with torchrun --nproc-per-node N); "
-            f"torch {torch.__version__} sees none. --device cpu runs the reference ops over gloo (a smoke test).",
-            file=sys.stderr,
+    if a.device == "cuda":
+        require_cuda(
+            "bench.bench_tp_decode",
+            "one GPU per rank, launched with torchrun --nproc-per-node N; --device cpu runs the reference ops over "
+            "gloo, a smoke test",
         )
-        return 2
     if a.cuda_graph and a.device != "cuda":
         print("bench.bench_tp_decode: --cuda-graph needs --device cuda", file=sys.stderr)
         return 2

@@ -1,9 +1,10 @@
 """w8a8_gemm (per-token x per-channel, bf16 out) against its anchors, in one run, at Llama layer shapes.
 
-Anchors: bf16 ``F.linear`` (cuBLAS), ``torch._int_mm`` + eager dequant (cuBLASLt int8; M > 16 only)
-and fp8 ``torch._scaled_mm`` with row-wise scales (cuBLASLt). Reports TOP/s (2MNK per call), GB/s of
-the bytes that must move (operands, scales, output) and each anchor's time over ours (> 1: we are
-faster). ``--sweep`` also times every generated tile config, to tune ``SELECTION`` in
+Anchors: bf16 ``F.linear`` (cuBLAS), ``torch._int_mm`` + eager dequant (cuBLASLt int8; M > 16 only),
+fp8 ``torch._scaled_mm`` with row-wise scales (cuBLASLt), and FBGEMM gen_ai's ``i8i8bf16`` (the peer
+library's int8 GEMM, one per-tensor scale; fbgemm-gpu-genai, skipped when absent). Reports TOP/s
+(2MNK per call), GB/s of the bytes that must move (operands, scales, output) and each anchor's
+time over ours (> 1: we are faster). ``--sweep`` also times every generated tile config, to tune ``SELECTION`` in
 cutlass_kernels/w8a8_configs.py. ``--epilogues`` compares the epilogues against each other: per-tensor
 vs per-token x per-channel vs per-token x per-channel + bias, and fp16 vs bf16 out (the per-token
 epilogue's cost over per-tensor at large M is a target: <= 3%). Decode rows (M <= 16) also
@@ -32,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 import qops
+from bench.fbgemm_genai import load_fbgemm_genai
 from bench.shapes import GEMM_LAYERS
 from cutlass_kernels import w8a8_configs as table
 from qops.testing import (
@@ -199,6 +201,22 @@ def time_fp8(m, n, k):
         return math.nan
 
 
+def time_fbgemm(m, n, k):
+    """FBGEMM gen_ai's ``i8i8bf16`` (int8 x int8, one per-tensor scale, bf16 out): the peer library's
+    W8A8 GEMM (a simpler epilogue than ours); NaN with a note when the library is not there."""
+    why = load_fbgemm_genai() or ("" if hasattr(torch.ops.fbgemm, "i8i8bf16") else "no torch.ops.fbgemm.i8i8bf16")
+    if why:
+        print(f"fbgemm anchor skipped: {why}")
+        return math.nan
+    n_sets = l2_rotation_sets(m * k + n * k + 2 * m * n)
+
+    def make(i):
+        a, b = _int8(m, k), _int8(n, k)
+        return lambda: torch.ops.fbgemm.i8i8bf16(a, b, 1e-4, 1)
+
+    return bench_us(make, n_sets)
+
+
 # The built launch shapes (w8a8_configs.GEMV_SHAPES): rows of N, warps, K chunks per batch.
 GEMV_SHAPES = table.gemv_launch_shapes()
 GEMV_SHAPE_NAMES = [f"r{r}w{w}c{c}" for r, w, c in GEMV_SHAPES]
@@ -298,12 +316,13 @@ def main() -> None:
             ov = time_configs(m, n, k, ["auto", "auto/overlap"]) if m <= 16 else {}
             us = ov.get("auto") or time_ours(m, n, k)
             if args.no_anchors:
-                base = {"linear_bf16": math.nan, "int_mm_dequant": math.nan, "fp8_rowwise": math.nan}
+                base = dict.fromkeys(("linear_bf16", "int_mm_dequant", "fp8_rowwise", "fbgemm_i8i8bf16"), math.nan)
             else:
                 base = {
                     "linear_bf16": time_linear(m, n, k),
                     "int_mm_dequant": time_int_mm(m, n, k),
                     "fp8_rowwise": time_fp8(m, n, k),
+                    "fbgemm_i8i8bf16": time_fbgemm(m, n, k),
                 }
             r = {
                 "layer": layer,
@@ -353,7 +372,7 @@ def main() -> None:
         rows,
         "layer",
         "M",
-        ["TOPs", "linear_bf16_TOPs", "int_mm_dequant_TOPs", "fp8_rowwise_TOPs"],
+        ["TOPs", "linear_bf16_TOPs", "int_mm_dequant_TOPs", "fp8_rowwise_TOPs", "fbgemm_i8i8bf16_TOPs"],
         f"w8a8_gemm (bf16 out) vs anchors, {torch.cuda.get_device_name()}",
         "TOP/s (2MNK / time)",
         os.path.join(args.out, "bench_w8a8_gemm.png"),
@@ -394,6 +413,7 @@ def main() -> None:
             "vs_linear_bf16",
             "vs_int_mm_dequant",
             "vs_fp8_rowwise",
+            "vs_fbgemm_i8i8bf16",
         ],
     )
 
