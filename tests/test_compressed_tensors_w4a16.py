@@ -40,14 +40,15 @@ def _tiny_hf(seed: int = 0, dtype: torch.dtype = torch.float16):
     return transformers.LlamaForCausalLM(cfg).to(dtype).eval()
 
 
-def _write_checkpoint(path: Path, group_size: int, zeros: bool) -> None:
+def _write_checkpoint(path: Path, group_size: int, zeros: bool, dtype: torch.dtype = torch.float16) -> None:
     """A tiny random Llama quantized to int4 and saved by compressed-tensors: min/max scales (and
     integer zero points) per group, as llm-compressor's observer computes them, then
-    ModelCompressor.compress_model (pack-quantized), save_pretrained and update_config."""
+    ModelCompressor.compress_model (pack-quantized), save_pretrained and update_config. ``dtype``:
+    the model's (its ``torch_dtype``) and the scales' (float32: scales that float16 rounds)."""
     from compressed_tensors.compressors.model_compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
 
-    model = _tiny_hf()
+    model = _tiny_hf(dtype=dtype)
     qc = QuantizationConfig(
         config_groups={"group_0": _w4a16_scheme(group_size, zeros)}, format="pack-quantized", ignore=["lm_head"]
     )
@@ -58,11 +59,11 @@ def _write_checkpoint(path: Path, group_size: int, zeros: bool) -> None:
             g = w.reshape(w.shape[0], -1, group_size)
             if zeros:
                 lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
-                scale = ((hi - lo) / 15).to(torch.float16)
+                scale = ((hi - lo) / 15).to(dtype)
                 zp = (-8 - lo / scale.float()).round().clamp(-8, 7)
                 mod.weight_zero_point.data.copy_(zp.to(torch.int8))
             else:
-                scale = (g.abs().amax(-1) / 7.5).to(torch.float16)
+                scale = (g.abs().amax(-1) / 7.5).to(dtype)
             mod.weight_scale.data.copy_(scale)
     comp = ModelCompressor.from_pretrained_model(model, "pack-quantized")
     comp.compress_model(model)
@@ -143,11 +144,21 @@ def test_load_pack_quantized(checkpoint):
                 s = lin.weight_scale.float().repeat_interleave(g, 1)
                 bound = 2.0**-10 * (2 * want.abs() + 8 * s) + 1e-7
                 assert bool(((got - want).abs() <= bound).all())
-                # in float32 (no rounding) the conversion is exact: q * s + (-zp * s) == (q - zp) * s
-                zp = -(lin.weight_zero.float() / lin.weight_scale.float()).round()
-                q = unpack_int4(lin.weight).float()
-                exact = q * s + (-zp.repeat_interleave(g, 1) * s)
-                assert torch.equal(exact, (q - zp.repeat_interleave(g, 1)) * s)
+                # the zeros are the checkpoint's integer zero points (its raw tensors, unpacked by
+                # compressed-tensors) times the scale in the model dtype, rounded once
+                zps = [
+                    unpack_from_int32(
+                        raw[f"model.layers.{i}.{n}.weight_zero_point"],
+                        4,
+                        raw[f"model.layers.{i}.{n}.weight_scale"].shape,
+                        packed_dim=0,
+                    )
+                    for n in names
+                ]
+                zp = torch.cat(zps)
+                assert zp.dtype == torch.int8 and int(zp.min()) >= -8 and int(zp.max()) <= 7
+                want_zero = (-zp.float() * scales.to(model.dtype).float()).to(model.dtype)
+                assert torch.equal(lin.weight_zero, want_zero)
 
 
 def _hf_load(path: Path, zeros: bool):
@@ -194,6 +205,33 @@ def test_save_pack_quantized_round_trip(checkpoint, tmp_path):
     # what compressed-tensors decompresses from the saved checkpoint is what it did from the original
     ref, out = _decompressed(path), _decompressed(tmp_path / "out")
     assert ref.keys() == out.keys() and all(torch.equal(ref[k], out[k]) for k in ref)
+
+
+def test_save_float32_scales_loaded_as_fp16(tmp_path):
+    """An asymmetric checkpoint with float32 scales (torch_dtype float32) loads as float16 (the
+    scales rounded to float16, the zeros computed from those), saves, and loads back bit-exactly."""
+    from safetensors.torch import load_file
+
+    path = tmp_path / "ckpt_f32"
+    _write_checkpoint(path, 64, True, dtype=torch.float32)
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg.get("dtype", cfg.get("torch_dtype")) == "float32"
+    raw = load_file(str(path / "model.safetensors"))
+    s32 = raw["model.layers.0.self_attn.q_proj.weight_scale"]
+    assert s32.dtype == torch.float32 and not torch.equal(s32.half().float(), s32)  # float16 rounds them
+    model = load_compressed(path, dtype=torch.float16, kv_cache="fp16")
+    assert model.dtype == torch.float16
+    save_compressed(model, tmp_path / "out")
+    again = load_compressed(tmp_path / "out", kv_cache="fp16")
+    assert again.dtype == torch.float16
+    for a, b in zip(model.state_dict().items(), again.state_dict().items()):
+        assert a[0] == b[0] and a[1].dtype == b[1].dtype and torch.equal(a[1], b[1]), a[0]
+    assert torch.equal(model.score(IDS), again.score(IDS))
+    # the saved integer zero points are the original checkpoint's
+    out = load_file(str(tmp_path / "out" / "model.safetensors"))
+    for k in raw:
+        if k.endswith((".weight_zero_point", ".weight_packed")):
+            assert torch.equal(raw[k], out[k]), k
 
 
 def test_save_qops_quantized_w4a16(tmp_path):

@@ -108,6 +108,52 @@ def test_main_model_generates_and_saves(model_dir, tmp_path, capsys, weights):
     rc = main(["--model", str(out), "--device", "cpu", "--max-new-tokens", "4", "--kv-cache", "int4", "--no-progress"])
     text = capsys.readouterr().out
     assert rc == 0 and "loaded as it is" in text and "KV4" in text, text
+    # and computes what the model in memory did: the same quantization of the same float weights
+    # (what the CLI did) gives bit-identical logits to the saved checkpoint loaded back
+    from qops.llama import load_compressed, quantize
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    mem = quantize(hf, weights=weights, kv_cache="fp16", dtype=torch.float16, device="cpu", progress=False)
+    back = load_compressed(out, kv_cache="fp16")
+    assert back.dtype == mem.dtype == torch.float16
+    ids = torch.tensor([[1, 5, 9, 33, 70, 2, 127, 64], [3, 3, 100, 12, 0, 45, 6, 90]])
+    assert torch.equal(mem.score(ids), back.score(ids))
+
+
+def test_main_save_refuses_float_linears(model_dir, tmp_path, capsys, monkeypatch):
+    """--weights none --save is refused before anything is loaded (exit 2, one line)."""
+
+    def no_load(*a, **k):
+        raise AssertionError("loaded a model")
+
+    monkeypatch.setattr(sources, "load_float", no_load)
+    out = tmp_path / "saved"
+    rc = main(["--model", str(model_dir), "--device", "cpu", "--weights", "none", "--save", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--weights none" in err and len(err.strip().splitlines()) == 1, err
+    assert not out.exists()
+
+
+def test_main_compressed_keeps_its_dtype(model_dir, tmp_path, capsys, monkeypatch):
+    """A bfloat16 compressed-tensors checkpoint stays bfloat16 without --dtype; --dtype overrides."""
+    ckpt = tmp_path / "bf16"
+    argv = ["--device", "cpu", "--max-new-tokens", "1", "--no-progress"]
+    assert main(["--model", str(model_dir), *argv, "--dtype", "bfloat16", "--save", str(ckpt)]) == 0
+    cfg = json.loads((ckpt / "config.json").read_text())
+    assert cfg.get("dtype", cfg.get("torch_dtype")) == "bfloat16"
+    built = []
+    real = sources.load_quantized
+
+    def spy(*a, **k):
+        m = real(*a, **k)
+        built.append(m.dtype)
+        return m
+
+    monkeypatch.setattr(sources, "load_quantized", spy)
+    assert main(["--model", str(ckpt), *argv]) == 0
+    assert main(["--model", str(ckpt), *argv, "--dtype", "float16"]) == 0
+    capsys.readouterr()
+    assert built == [torch.bfloat16, torch.float16]
 
 
 def test_main_smoothquant(model_dir, text_file, capsys):
@@ -222,6 +268,29 @@ def test_eval_compressed_checkpoint(model_dir, text_file, tmp_path, capsys):
     assert "| W8A8 |" in md and "| W8A8+KV8 |" in md, md
 
 
-def test_eval_bad_model_path(tmp_path):
-    with pytest.raises(SystemExit, match="no such file or folder"):
-        eval_main(["--model", str(tmp_path / "nope"), "--device", "cpu"])
+def test_eval_bad_model_path(tmp_path, capsys):
+    assert eval_main(["--model", str(tmp_path / "nope"), "--device", "cpu"]) == 2
+    assert "no such file or folder" in capsys.readouterr().err
+
+
+def test_eval_compressed_default_variants(model_dir, text_file, tmp_path, capsys, monkeypatch):
+    """A compressed-tensors checkpoint with the default --variants evaluates its KV-cache choices;
+    a variant it cannot take is refused before anything is loaded."""
+    ckpt = tmp_path / "ckpt"
+    assert main(["--model", str(model_dir), "--device", "cpu", "--max-new-tokens", "1", "--save", str(ckpt)]) == 0
+    capsys.readouterr()
+    argv = ["--model", str(ckpt), "--text", str(text_file), "--device", "cpu", "--tokens", "128", "--seq-len", "64"]
+    rc = eval_main([*argv, "--calib-tokens", "0", "--out", str(tmp_path), "--no-progress"])
+    md = capsys.readouterr().out
+    assert rc == 0 and "| W8A8+KV8 |" in md and "| W8A8+KV4-w128s4 |" in md, md
+
+    def no_load(*a, **k):
+        raise AssertionError("loaded something")
+
+    monkeypatch.setattr(sources, "load_tokenizer", no_load)
+    monkeypatch.setattr(sources, "load_reference", no_load)
+    for bad in ("fp16,KV8-static", "W4A16"):
+        assert eval_main([*argv, "--variants", bad]) == 2
+        assert "KV-cache choices without calibration" in capsys.readouterr().err
+    assert eval_main([*argv, "--variants", "KV9"]) == 2
+    assert "--variants" in capsys.readouterr().err

@@ -25,7 +25,7 @@ import time
 import torch
 
 from ..testing import require_cuda
-from .run import add_arguments, run_model
+from .run import add_arguments, prompt_ids, run_model
 
 
 def _parse(argv):
@@ -52,7 +52,12 @@ def _parse(argv):
     p.add_argument("--decode-batch", type=int, default=None, help="default 4 CPU, 16 GPU")
     p.add_argument("--decode-context", type=int, default=None, help="default 128 CPU, 512 GPU")
     p.add_argument("--decode-steps", type=int, default=None, help="default 8 CPU, 64 GPU")
-    p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float16", "bfloat16"],
+        help="activation dtype (default: float16; a compressed-tensors --model: its torch_dtype)",
+    )
     p.add_argument(
         "--save",
         default=None,
@@ -95,7 +100,7 @@ def main(argv=None) -> int:
     dev = torch.device(a.device)
     gpu = dev.type == "cuda"
     progress = not a.no_progress
-    dtype = getattr(torch, a.dtype)
+    dtype = getattr(torch, a.dtype or "float16")
     eval_tokens = a.eval_tokens or (16384 if gpu else 512)
     seq_len = a.seq_len or (1024 if gpu else 256)
     dbatch = a.decode_batch or (16 if gpu else 4)
@@ -163,16 +168,11 @@ def main(argv=None) -> int:
         print(f"  saved W8A8+KV8 to {a.save} (compressed-tensors)")
 
     # ---- a generated continuation ---------------------------------------------------------------
-    msgs = [{"role": "user", "content": a.prompt}]
-    try:
-        prompt_ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-        if isinstance(prompt_ids, dict) or hasattr(prompt_ids, "input_ids"):
-            prompt_ids = prompt_ids["input_ids"]
-    except Exception:  # no chat template: plain continuation
-        prompt_ids = tok(a.prompt)["input_ids"]
-    print(f"\nprompt: {a.prompt!r}  (chat template, greedy, {a.max_new_tokens} new tokens)")
+    ids_p = prompt_ids(tok, a.prompt)
+    how = "chat template" if getattr(tok, "chat_template", None) else "plain text"
+    print(f"\nprompt: {a.prompt!r}  ({how}, greedy, {a.max_new_tokens} new tokens)")
     for n in [n for n in ("fp16", "W8A8+KV8", "KV4") if n in models]:
-        res = generate(models[n], [list(prompt_ids)], a.max_new_tokens, eos_token_id=tok.eos_token_id)
+        res = generate(models[n], [ids_p], a.max_new_tokens, eos_token_id=tok.eos_token_id)
         out = tok.decode(res.tokens[0], skip_special_tokens=True).strip().replace("\n", " ")
         print(f"  [{models[n].qcfg.label():>14}] {out}")
 

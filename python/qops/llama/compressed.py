@@ -22,10 +22,11 @@ compressor's ``pack_to_int32`` / ``unpack_from_int32``). See docs/llama.md.
 int4 conventions. compressed-tensors: ``q`` a signed int4 in [-8, 7] (stored offset by 8 in the
 packed nibbles), ``w = (q - zero_point) * scale`` with an integer ``zero_point`` in [-8, 7].
 qops (``qops.w4a16``): the same signed ``q``, ``w = q * scale + zero`` with a float ``zero`` in
-the model dtype. So ``q`` and ``scale`` carry over as they are and ``zero = -zero_point * scale``,
-computed in float32 (exact) and rounded once to the model dtype. Where rounding can happen: that
-``zero``, when ``zero_point * scale`` needs more bits than the dtype has; the scale itself when
-the checkpoint stores it in another dtype than the model's; and the GEMM's dequantization, which
+the model dtype. So ``q`` carries over as it is, ``scale`` is cast to the model dtype, and ``zero =
+-zero_point * scale`` is computed from that cast scale in float32 (exact) and rounded once to the
+model dtype. Where rounding can happen: the scale itself when the checkpoint stores it in another
+dtype than the model's; that ``zero``, when ``zero_point * scale`` needs more bits than the dtype
+has; and the GEMM's dequantization, which
 rounds ``q * scale`` and then adds ``zero`` (two roundings) where compressed-tensors rounds
 ``(q - zero_point) * scale`` once. Symmetric checkpoints dequantize bit-exactly as
 compressed-tensors does (``q * scale``, one rounding in both).
@@ -226,6 +227,19 @@ def _inv_freq(hf_cfg) -> tuple[torch.Tensor | None, float]:
     return inv_freq, float(scaling)
 
 
+def _config_dtype(hf_cfg) -> torch.dtype:
+    """A checkpoint config's ``torch_dtype`` when half (float16, bfloat16), else float16."""
+    cd = getattr(hf_cfg, "dtype", None) or getattr(hf_cfg, "torch_dtype", None)
+    cd = getattr(torch, cd) if isinstance(cd, str) else cd
+    return cd if cd in (torch.float16, torch.bfloat16) else torch.float16
+
+
+def checkpoint_dtype(path: str | Path) -> torch.dtype:
+    """The model dtype ``load_compressed(path)`` uses by default: the checkpoint's ``torch_dtype``
+    when half (float16, bfloat16), else float16."""
+    return _config_dtype(_hf_config(Path(path)))
+
+
 def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -256,8 +270,9 @@ def load_compressed(
     W4A16 (``pack-quantized``): the int4 values are unpacked with compressed-tensors'
     ``unpack_from_int32`` and repacked two per byte (``qops.w4a16.pack_int4``: the same signed
     values), the group scales go into the ``W4A16Linear`` in ``dtype``, and asymmetric zero points
-    become ``zero = -zero_point * scale`` (float32, rounded once to ``dtype``; see the module
-    docstring for where that rounds).
+    become ``zero = -zero_point * scale`` with that ``dtype`` scale (float32, rounded once to
+    ``dtype``; see the module docstring for where that rounds), so ``save_compressed`` writes the
+    same integer zero points back whatever dtype the checkpoint's scales had.
 
     ``kv_cache`` and other ``QuantConfig`` ``overrides`` (e.g. ``kv_scales``) choose the cache
     (default int8, dynamic scales). ``dtype``: float16 or bfloat16 (default: the checkpoint's
@@ -287,9 +302,7 @@ def load_compressed(
     qcfg = QuantConfig(**mode, kv_cache=kv_cache, **overrides)
     check_supported(args, qcfg)
     if dtype is None:
-        cd = getattr(hf_cfg, "dtype", None) or getattr(hf_cfg, "torch_dtype", None)
-        cd = getattr(torch, cd) if isinstance(cd, str) else cd
-        dtype = cd if cd in (torch.float16, torch.bfloat16) else torch.float16
+        dtype = _config_dtype(hf_cfg)
     inv_freq, scaling = _inv_freq(hf_cfg)
     src = _load_tensors(path)
 
@@ -384,13 +397,15 @@ def _w4a16_tensors(path: Path, src: dict, schemes: dict, compressor, args: Llama
                     )
                 q = unpack_from_int32(packed, 4, shape)  # int8 in [-8, 7]: qops' signed int4 values
                 qs.append(q)
-                ss.append(scale.to(dtype))
+                scale = scale.to(dtype)  # the scale the GEMM uses (rounded here if stored in another dtype)
+                ss.append(scale)
                 if not scheme.weights.symmetric:
                     zp = src[f"{full}.weight_zero_point"]
                     if zp.dtype == torch.int32:  # packed along N (the pack-quantized compressor's layout)
                         zp = unpack_from_int32(zp, 4, scale.shape, packed_dim=0)
                     zp = zp.reshape(scale.shape)
-                    # w = (q - zp) * s = q * s + (-zp * s): exact in float32, rounded once to dtype
+                    # w = (q - zp) * s = q * s + (-zp * s) with s the scale in dtype: -zp * s exact in
+                    # float32, rounded once to dtype (so save_compressed gives zp back exactly)
                     zs.append((-zp.float() * scale.float()).to(dtype))
             sd[p + fused + ".weight"] = pack_int4(torch.cat(qs))
             sd[p + fused + ".weight_scale"] = torch.cat(ss)
@@ -448,8 +463,9 @@ def save_compressed(
     in the model dtype and, with zeros, ``weight_zero_point`` (integers, packed along N). qops'
     zeros are floats (``w = q * scale + zero``) and compressed-tensors' integers (``w = (q -
     zero_point) * scale``): a zero is written as ``zero_point = -zero / scale`` when that is an
-    integer in [-8, 7] that gives ``zero`` back exactly (so models loaded from such checkpoints
-    save bit-exactly); qops' own asymmetric quantization (``quantize_weight_int4(with_zeros=True)``)
+    integer in [-8, 7] that gives ``zero`` back exactly (always so for models loaded from such
+    checkpoints, whose zeros ``load_compressed`` computes from the scales in the model dtype: they
+    save, and load back, bit-exactly); qops' own asymmetric quantization (``quantize_weight_int4(with_zeros=True)``)
     puts zeros between grid points, and saving them raises ``ValueError`` (save a symmetric W4A16
     model instead). The rest of the tensors are in the model dtype.
 

@@ -29,6 +29,7 @@ import argparse
 import csv
 import dataclasses
 import math
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -345,7 +346,22 @@ def run_quality(
     return rows
 
 
-def main(argv=None) -> None:
+DEFAULT_VARIANTS = (
+    "fp16,KV8,KV8-static,KV4,KV4-w128s4,KV4-g4,KV4-g4-w128s4,W8A8,W8A8+SQ0.5,W8A8+KV8,"
+    "W8A8+KV8+SQ0.5,W8A8+KV4-w128s4+SQ0.5,W8A8+KV8-static+SQ0.5,W8A8-static+KV8+SQ0.5,"
+    "W4A16-g64,W4A16-g64+KV8"
+)
+# a compressed-tensors checkpoint's variants: KV-cache choices that need no calibration
+DEFAULT_KV_VARIANTS = "fp16,KV8,KV4,KV4-w128s4,KV4-g4,KV4-g4-w128s4"
+
+
+def _error(msg: str) -> int:
+    print(f"python -m qops.llama.eval: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def main(argv=None) -> int:
+    """The command line; returns the exit status (2: a bad model path, text or variant)."""
     p = argparse.ArgumentParser(
         prog="python -m qops.llama.eval",
         description=__doc__.split("\n\n")[0],
@@ -388,14 +404,18 @@ def main(argv=None) -> None:
     )
     p.add_argument(
         "--variants",
-        default="fp16,KV8,KV8-static,KV4,KV4-w128s4,KV4-g4,KV4-g4-w128s4,W8A8,W8A8+SQ0.5,W8A8+KV8,"
-        "W8A8+KV8+SQ0.5,W8A8+KV4-w128s4+SQ0.5,W8A8+KV8-static+SQ0.5,W8A8-static+KV8+SQ0.5,"
-        "W4A16-g64,W4A16-g64+KV8",
+        default=None,
         help="comma-separated variant labels (QuantConfig.from_label: fp16, W8A8[-static], "
         "W4A16[-g64][-asym] (int4 weights, groups of 128 or 64; SmolLM2 needs -g64), KV8[-static], "
-        "KV4[-g4][-w<window>s<sinks>][-c<clip>], +SQ<alpha>)",
+        "KV4[-g4][-w<window>s<sinks>][-c<clip>], +SQ<alpha>); default: " + DEFAULT_VARIANTS + "; for a "
+        "compressed-tensors checkpoint (KV-cache choices without calibration): " + DEFAULT_KV_VARIANTS,
     )
-    p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float16", "bfloat16"],
+        help="activation dtype (default: float16; a compressed-tensors --model: its torch_dtype)",
+    )
     p.add_argument("--out", default="bench/out")
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)
@@ -410,17 +430,40 @@ def main(argv=None) -> None:
     tokens_n = a.tokens or (300_000 if gpu else 1024)
     seq_len = a.seq_len or (1024 if gpu else 256)
     bsz = a.batch_size or (8 if gpu else 2)
-    dtype = getattr(torch, a.dtype)
     try:
         src = resolve(a.model)
-        tok = load_tokenizer(src)
     except (FileNotFoundError, ValueError) as e:
-        raise SystemExit(f"python -m qops.llama.eval: error: {e}") from None
-    if a.text == "jargon":
-        toks, source = jargon_tokens(tok)
+        return _error(str(e))
+    # the variants, checked before anything is loaded
+    names = [n.strip() for n in (a.variants or (DEFAULT_KV_VARIANTS if src.quantized else DEFAULT_VARIANTS)).split(",")]
+    for n in names:
+        try:
+            cfg = parse_variant(n)
+        except ValueError as e:
+            return _error(f"--variants: {e}")
+        if src.quantized and (cfg.weights is not False or cfg.needs_calibration):
+            return _error(
+                f"variant {n!r}: the variants of a compressed-tensors checkpoint are KV-cache choices without "
+                f"calibration ({DEFAULT_KV_VARIANTS.replace(',', ', ')}, ...)"
+            )
+    # --dtype: a compressed-tensors checkpoint keeps its torch_dtype unless given; else float16
+    if a.dtype is not None:
+        dtype = getattr(torch, a.dtype)
+    elif src.quantized and src.path is not None:
+        from .compressed import checkpoint_dtype
+
+        dtype = checkpoint_dtype(src.path)
     else:
-        text, source = load_text(a.text)
-        toks = tokenize(tok, text)
+        dtype = torch.float16
+    try:
+        tok = load_tokenizer(src)
+        if a.text == "jargon":
+            toks, source = jargon_tokens(tok)
+        else:
+            text, source = load_text(a.text)
+            toks = tokenize(tok, text)
+    except (FileNotFoundError, ValueError) as e:
+        return _error(str(e))
     calib = toks[-a.calib_tokens :] if a.calib_tokens else None
     evalt = toks[a.skip_tokens : max(0, toks.numel() - (a.calib_tokens or 0))]
     ref_dtype = dtype if gpu else torch.float32
@@ -431,11 +474,6 @@ def main(argv=None) -> None:
         ref_label = ref_label.replace("(HF reference)", "(HF, the checkpoint dequantized)")
 
         def build(cfg: QuantConfig):
-            if cfg.weights is not False or cfg.needs_calibration:
-                raise SystemExit(
-                    f"python -m qops.llama.eval: error: variant {cfg.label()!r}: the variants of a compressed-tensors "
-                    f"checkpoint are KV-cache choices without calibration (fp16, KV8, KV4, KV4-w128s4, ...)"
-                )
             kv = {f: getattr(cfg, f) for f in ("kv_cache", "kv_groups", "kv_window", "kv_sinks", "kv_clip")}
             return load_quantized(src, device=dev, dtype=dtype, **kv).eval()
 
@@ -443,7 +481,7 @@ def main(argv=None) -> None:
     rows = run_quality(
         model,
         evalt,
-        a.variants.split(","),
+        names,
         seq_len=seq_len,
         max_tokens=tokens_n,
         batch_size=bsz,
@@ -463,10 +501,12 @@ def main(argv=None) -> None:
     layout = f"spread over {evalt.numel()} tokens" if a.layout == "spread" else "from its start"
     title = (
         f"### {src.name} quality, {source}: {n} predicted tokens in {nw} windows of {seq_len} {layout} "
-        f"({where}, activations {a.dtype}; {time.perf_counter() - t0:.0f} s; 95% CIs: bootstrap over windows)"
+        f"({where}, activations {str(dtype).replace('torch.', '')}; {time.perf_counter() - t0:.0f} s; "
+        f"95% CIs: bootstrap over windows)"
     )
     print(write_outputs(rows, Path(a.out), "quality_gpu" if gpu else "quality_cpu", title))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

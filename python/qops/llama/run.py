@@ -50,8 +50,10 @@ def _error(msg: str) -> int:
     return 2
 
 
-def _prompt_ids(tok, prompt: str) -> list[int]:
-    """The prompt through the tokenizer's chat template when it has one, else as plain text."""
+def prompt_ids(tok, prompt: str) -> list[int]:
+    """The prompt's token ids: through the tokenizer's chat template (a user turn, then the
+    generation prompt) when it has one, else as plain text. Both ``python -m qops.llama`` modes
+    use it."""
     if getattr(tok, "chat_template", None):
         ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
@@ -73,9 +75,12 @@ def run_model(a: argparse.Namespace) -> int:
         src = resolve(a.model)
     except (FileNotFoundError, ValueError) as e:
         return _error(str(e))
+    if a.save and not src.quantized and a.weights == "none":
+        return _error("--save writes a W8A8 or W4A16 model: --weights none (float linears) cannot be saved")
     dev = torch.device(a.device)
     gpu = dev.type == "cuda"
-    dtype = getattr(torch, a.dtype)
+    # --dtype: a compressed-tensors checkpoint keeps its torch_dtype unless given; else float16
+    dtype = None if a.dtype is None else getattr(torch, a.dtype)
     progress = not a.no_progress
     t0 = time.perf_counter()
     try:
@@ -88,12 +93,13 @@ def run_model(a: argparse.Namespace) -> int:
                 f"--model {a.model}: a compressed-tensors checkpoint is already quantized; "
                 f"--weights, --group-size and --smoothquant apply to float checkpoints"
             )
-        try:
-            model = load_quantized(src, device=dev, dtype=dtype, kv_cache=a.kv_cache)
+        try:  # loaded on the CPU when saving (W4A16 weights prepacked for a GPU cannot be saved)
+            model = load_quantized(src, device="cpu" if a.save else dev, dtype=dtype, kv_cache=a.kv_cache)
         except ValueError as e:
             return _error(str(e))
         how = "loaded as it is (compressed-tensors)"
     else:
+        dtype = dtype or torch.float16
         hf = load_float(src, dtype=dtype if gpu else torch.float32, device=dev, progress=progress)
         weights = a.weights or "int8"
         if weights != "int4" and a.group_size is not None:
@@ -120,11 +126,15 @@ def run_model(a: argparse.Namespace) -> int:
         how = "quantized by qops"
     print(f"qops.llama: {src.name} ({src.kind}), {model.qcfg.label()}, {how}, in {time.perf_counter() - t0:.1f} s")
     if a.save:
-        save_compressed(model, a.save, hf_source=src.path if src.kind in ("hf", "compressed") else None, tokenizer=tok)
+        hf_source = src.path if src.kind in ("hf", "compressed") else None
+        try:
+            save_compressed(model, a.save, hf_source=hf_source, tokenizer=tok)
+        except (ValueError, NotImplementedError) as e:
+            return _error(f"--save {a.save}: {str(e).splitlines()[0]}")
         print(f"  saved as a compressed-tensors checkpoint to {a.save}")
     if model.device != dev:
         model = model.to(dev)
-    ids = _prompt_ids(tok, a.prompt)
+    ids = prompt_ids(tok, a.prompt)
     res = generate(model, [ids], a.max_new_tokens, eos_token_id=tok.eos_token_id)
     out = tok.decode(res.tokens[0], skip_special_tokens=True).strip()
     print(f"\nprompt: {a.prompt!r}  (greedy, {a.max_new_tokens} new tokens at most)")
