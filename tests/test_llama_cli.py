@@ -93,7 +93,17 @@ def test_resolve_kinds_and_bad_paths(model_dir, tmp_path):
 
 
 @pytest.mark.parametrize("weights", ["int8", "int4"])
-def test_main_model_generates_and_saves(model_dir, tmp_path, capsys, weights):
+def test_main_model_generates_and_saves(model_dir, tmp_path, capsys, monkeypatch, weights):
+    from qops.llama import compressed
+
+    saved = []  # the model the command line saves (its in-memory model)
+    real_save = compressed.save_compressed
+
+    def spy(model, *a, **k):
+        saved.append(model)
+        return real_save(model, *a, **k)
+
+    monkeypatch.setattr(compressed, "save_compressed", spy)
     out = tmp_path / "saved"
     argv = ["--model", str(model_dir), "--device", "cpu", "--max-new-tokens", "4", "--no-progress"]
     rc = main([*argv, "--weights", weights, "--kv-cache", "fp16", "--save", str(out), "--prompt", "The hacker"])
@@ -108,14 +118,10 @@ def test_main_model_generates_and_saves(model_dir, tmp_path, capsys, weights):
     rc = main(["--model", str(out), "--device", "cpu", "--max-new-tokens", "4", "--kv-cache", "int4", "--no-progress"])
     text = capsys.readouterr().out
     assert rc == 0 and "loaded as it is" in text and "KV4" in text, text
-    # and computes what the model in memory did: the same quantization of the same float weights
-    # (what the CLI did) gives bit-identical logits to the saved checkpoint loaded back
-    from qops.llama import load_compressed, quantize
-
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    mem = quantize(hf, weights=weights, kv_cache="fp16", dtype=torch.float16, device="cpu", progress=False)
-    back = load_compressed(out, kv_cache="fp16")
-    assert back.dtype == mem.dtype == torch.float16
+    # and computes what the model in memory did: bit-identical logits
+    assert len(saved) == 1
+    mem, back = saved[0], compressed.load_compressed(out, kv_cache="fp16")
+    assert back.dtype == mem.dtype == torch.float16 and mem.qcfg.kv_cache == "fp16"
     ids = torch.tensor([[1, 5, 9, 33, 70, 2, 127, 64], [3, 3, 100, 12, 0, 45, 6, 90]])
     assert torch.equal(mem.score(ids), back.score(ids))
 
