@@ -4,8 +4,10 @@ Activations flow between modules either as a float tensor ``[T, H]`` (model dtyp
 next consumer is a W8A8 linear, as an already quantized pair ``QAct(q int8 [T, H], s f32 [T] or
 [1])`` produced by a fused op (RMSNorm+quant, SiLU-and-mul+quant). W4A16 linears
 (``W4A16Linear``, ``qops.w4a16_gemm``) take the float tensor: with them the norms and the MLP
-activation run as in the float variant (PyTorch), in the model dtype. Tokens are flattened: ``T`` is
-the number of tokens in the step over all sequences (vLLM style), ``H`` a hidden size.
+activation are the same fused kernels without the quantizer (``qops.rms_norm``,
+``qops.fused_add_rms_norm``, ``qops.silu_and_mul``), in the model dtype, as in the float variant.
+Tokens are flattened: ``T`` is the number of tokens in the step over all sequences (vLLM style),
+``H`` a hidden size.
 
 Which op replaces what (docs/llama.md):
 
@@ -14,7 +16,8 @@ Hugging Face module               qops module / op
 ================================  =============================================================
 input_layernorm                   ``qops.rms_norm_quant`` (layer 0) / ``qops.fused_add_rms_norm_quant``
 q_proj, k_proj, v_proj            one fused ``W8A8Linear`` (``qops.w8a8_gemm``; Qwen2: + bias)
-rotary + attention                RoPE in PyTorch (Qwen3: after q/k RMSNorm per head, PyTorch);
+rotary + attention                ``qops.rotary_embedding`` in place on q and k (Qwen3: after a
+                                  q/k RMSNorm per head, PyTorch);
                                   ``qops.reshape_and_cache_int8``; decode:
                                   ``qops.paged_decode_attention_int8``; prefill: SDPA
                                   (int4 cache: ``qops.reshape_and_cache_int4`` or, SKVQ,
@@ -27,8 +30,9 @@ down_proj                         ``W8A8Linear``
 ================================  =============================================================
 
 W4A16 (``QuantConfig(weights="int4")``): the four linears are ``W4A16Linear`` (same fusion of
-q/k/v and of gate/up; Qwen2's bias added after the GEMM), the norms plain RMSNorm and the MLP
-activation ``silu(gate) * up``, in the model dtype.
+q/k/v and of gate/up; Qwen2's bias added after the GEMM), the norms ``qops.rms_norm`` /
+``qops.fused_add_rms_norm`` and the MLP activation ``qops.silu_and_mul``, in the model dtype (float32
+models: the same math in PyTorch).
 """
 
 from __future__ import annotations
