@@ -400,10 +400,8 @@ def test_step_errors(sd):
     model = build(sd, QuantConfig())
     cache = model.new_cache(8)
     model.step([[1, 2, 3]], ["a"], cache)
-    with pytest.raises(ValueError, match="exactly one token"):
-        model.step([[1, 2]], ["a"], cache)
-    with pytest.raises(ValueError, match="either a prefill"):
-        model.step([[1], [2]], ["a", "b"], cache)
+    with pytest.raises(ValueError, match="at least one new token"):
+        model.step([[1], []], ["a", "b"], cache)
     with pytest.raises(RuntimeError, match="out of cache blocks"):
         model.step([list(range(200))], ["c"], cache)
     with pytest.raises(ValueError, match="calibration_tokens"):
@@ -411,6 +409,76 @@ def test_step_errors(sd):
         from qops.llama.quantize import quantize_state_dict
 
         quantize_state_dict(tiny_state_dict(), TINY, QuantConfig(smoothquant=True))  # ... not to build
+
+
+@pytest.mark.parametrize("variant", ["fp16", "KV8", "W8A8+KV8", "KV4"])
+def test_chunked_prefill_and_mixed_steps(sd, variant):
+    """Prompts prefilled in chunks, beside other sequences' prefills and decode tokens in the same
+    steps, give every token the logits it gets when its sequence runs alone (a one-shot prefill
+    over the cached values, then decode steps)."""
+    model = build(sd, QuantConfig.from_label(variant))
+    g = torch.Generator().manual_seed(11)
+    lens = (("a", 37), ("b", 9), ("c", 20))
+    prompt = {s: torch.randint(0, TINY.vocab_size, (n,), generator=g).tolist() for s, n in lens}
+    extra = {
+        s: torch.randint(0, TINY.vocab_size, (n,), generator=g).tolist() for s, n in (("a", 2), ("b", 3), ("c", 3))
+    }
+
+    def alone(s):  # every token's logits: the prompt in one prefill, then its extra tokens decoded
+        cache = model.cache_for([60])
+        out = [model.step([prompt[s]], [s], cache, last_only=False, prefill_from_cache=True)]
+        out += [model.step([[t]], [s], cache) for t in extra[s]]
+        return torch.cat(out)
+
+    ref = {s: alone(s) for s in prompt}
+    cache = model.cache_for([60] * 3)
+    got: dict = {s: [] for s in prompt}
+    a, b, c = prompt["a"], prompt["b"], prompt["c"]
+    steps = [  # (sequence, new tokens): a new, a chunk, a decode token
+        [("a", a[:16]), ("b", b)],  # two new sequences: a plain prefill
+        [("a", a[16:32]), ("b", extra["b"][:1]), ("c", c)],  # chunk + decode + new: mixed
+        [("a", a[32:]), ("b", extra["b"][1:2]), ("c", extra["c"][:1])],  # chunk + decode + decode
+        [("a", extra["a"][:1]), ("b", extra["b"][2:]), ("c", extra["c"][1:2])],  # a decode step
+        [("a", extra["a"][1:]), ("c", extra["c"][2:])],  # a decode step of two of the three
+    ]
+    for step in steps:
+        ids = [s for s, _ in step]
+        lg = model.step([t for _, t in step], ids, cache, last_only=False, prefill_from_cache=True)
+        start = 0
+        for s, t in step:
+            got[s].append(lg[start : start + len(t)])
+            start += len(t)
+    # The same ops on the same values; only the float GEMMs' summation order may depend on how
+    # many rows a step has (float16 weights on the CPU): within 2e-3 of the logits' scale.
+    scale = max(float(r.abs().max()) for r in ref.values())
+    for s in prompt:
+        torch.testing.assert_close(torch.cat(got[s]), ref[s], rtol=0, atol=2e-3 * scale, msg=s)
+
+
+@pytest.mark.parametrize("variant", ["fp16", "W8A8"])
+def test_generate_prefill_chunk(sd, variant):
+    """Chunked prefill inside generate (sequences that finish their prompt decode beside the others'
+    chunks) gives the tokens of the one-shot prefill: with a float cache the cached K/V are the
+    fresh ones, so every step sees the same values."""
+    model = build(sd, QuantConfig.from_label(variant))
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, TINY.vocab_size, (n,), generator=g).tolist() for n in (23, 4, 9)]
+    ref = generate(model, prompts, 10).tokens
+    for chunk in (1, 5, 64):
+        assert generate(model, prompts, 10, prefill_chunk=chunk).tokens == ref, chunk
+    with pytest.raises(ValueError, match="prefill_chunk must be an int >= 1"):
+        generate(model, prompts, 4, prefill_chunk=0)
+
+
+def test_mixed_steps_refused_with_skvq(sd):
+    model = build(sd, QuantConfig.from_label("KV4-w16s4"))
+    cache = model.cache_for([40, 40])
+    model.step([[1, 2, 3]], ["a"], cache)
+    with pytest.raises(NotImplementedError, match="SKVQ"):
+        model.step([[4, 5]], ["a"], cache)
+    with pytest.raises(NotImplementedError, match="SKVQ"):
+        model.step([[4], [1, 2]], ["a", "b"], cache)
+    assert cache.seq_len("a") == 3  # the refused steps reserved nothing
 
 
 # ---- SmoothQuant math ---------------------------------------------------------------------------

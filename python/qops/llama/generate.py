@@ -127,6 +127,7 @@ def generate(
     seed: int | None = None,
     cache=None,
     progress: bool = False,
+    prefill_chunk: int | None = None,
 ) -> GenerationResult:
     """Generate continuations of a batch of prompts with a ``QuantizedLlamaForCausalLM``.
 
@@ -142,6 +143,11 @@ def generate(
         cache: a cache from ``model.new_cache`` (default: one sized for this batch). Sequences the
             caller holds in it are left alone: ``generate`` adds its own, and frees them all when
             it returns or raises.
+        prefill_chunk: prefill the prompts at most this many tokens per sequence and step
+            (chunked prefill); a sequence whose prompt is done decodes in the same steps as the
+            others' remaining chunks (mixed steps, ``QuantizedLlamaForCausalLM.step``). Each
+            chunk attends to its prompt's earlier tokens as read back from the cache. ``None``
+            (default): one prefill of every whole prompt. Not with an SKVQ cache.
     Raises:
         GenerationError: a step failed (e.g. the cache ran out of blocks); ``.result`` holds the
             tokens generated so far.
@@ -149,6 +155,10 @@ def generate(
     prompts = token_rows(prompts, model.args.vocab_size, "generate")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
         raise TypeError(f"generate: max_new_tokens must be an int, got {max_new_tokens!r}")
+    if prefill_chunk is not None and (
+        isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1
+    ):
+        raise ValueError(f"generate: prefill_chunk must be an int >= 1 or None, got {prefill_chunk!r}")
     dev = model.device
     b = len(prompts)
     if b == 0 or max_new_tokens <= 0:
@@ -183,17 +193,39 @@ def generate(
     try:
         _sync(dev)
         t0 = time.perf_counter()
-        logits = model.step(prompts, ids, cache)
-        nxt = sample_next(logits, **opts).tolist()
+
+        def take(i: int, t: int) -> bool:  # a new token of sequence i; True: it goes on
+            out[i].append(t)
+            if t in eos or len(out[i]) >= max_new_tokens:
+                cache.free(ids[i])
+                return False
+            return True
+
+        if prefill_chunk is None:
+            logits = model.step(prompts, ids, cache)
+            nxt = sample_next(logits, **opts).tolist()
+            live = [i for i, t in enumerate(nxt) if take(i, t)]
+        else:
+            done = [0] * b  # prompt tokens in the cache
+            while any(done[i] < len(prompts[i]) for i in range(b)):
+                who = [i for i in range(b) if done[i] < len(prompts[i]) or i in live]
+                rows = [
+                    prompts[i][done[i] : done[i] + prefill_chunk] if done[i] < len(prompts[i]) else [out[i][-1]]
+                    for i in who
+                ]
+                logits = model.step(rows, [ids[i] for i in who], cache)
+                nxt = sample_next(logits, **opts).tolist()
+                for i, row, t in zip(who, rows, nxt):
+                    if done[i] < len(prompts[i]):
+                        done[i] += len(row)
+                        if done[i] < len(prompts[i]):
+                            continue  # a chunk before the prompt's last: its logits are not used
+                        if take(i, t):
+                            live.append(i)
+                    elif not take(i, t):
+                        live.remove(i)
         _sync(dev)
         res.prefill_s = time.perf_counter() - t0
-
-        for i, t in enumerate(nxt):
-            out[i].append(t)
-            if t in eos or max_new_tokens == 1:
-                cache.free(ids[i])
-            else:
-                live.append(i)
         steps = range(max_new_tokens - 1)
         if progress:
             try:
@@ -212,14 +244,7 @@ def generate(
             res.step_times.append(time.perf_counter() - ts)
             res.decode_steps += 1
             res.decode_tokens += len(live)
-            still = []
-            for i, t in zip(live, nxt):
-                out[i].append(t)
-                if t in eos or len(out[i]) >= max_new_tokens:
-                    cache.free(ids[i])
-                else:
-                    still.append(i)
-            live = still
+            live = [i for i, t in zip(live, nxt) if take(i, t)]
         _sync(dev)
         res.decode_s = time.perf_counter() - t1
     except Exception as e:

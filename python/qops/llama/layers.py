@@ -37,8 +37,9 @@ models: the same math in PyTorch).
 
 from __future__ import annotations
 
+import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, NamedTuple, Union, cast
 
 import torch
@@ -437,6 +438,9 @@ class StepContext:
             step's tokens): decode, and any step of an SKVQ cache (its write needs them).
         cu_seqlens: int32 ``[B + 1]``, the packed tokens' sequence boundaries (SKVQ cache).
         side_slots: int32 ``[B]``, each sequence's row of the side buffers (SKVQ cache).
+        context_lens: a mixed step (``decode`` False): each sequence's cached tokens before the
+            step (0 for a new one); its new tokens attend to that prefix and to themselves, all
+            read back from the cache. ``None``: a plain prefill of new sequences.
         prefill_from_cache: prefill attends to the values read back from the cache (dequantized
             int8 / int4 with a quantized cache) instead of the fresh fp16 K/V: what decode sees,
             for quality evaluation of the KV cache. With SKVQ, each query position sees its own
@@ -453,6 +457,7 @@ class StepContext:
     prefill_from_cache: bool = False
     cu_seqlens: torch.Tensor | None = None
     side_slots: torch.Tensor | None = None
+    context_lens: list | None = None
 
 
 def _sdpa_gqa(q, k, v, causal: bool, mask=None):
@@ -507,6 +512,8 @@ class Attention(nn.Module):
         cache.write(self.layer_idx, k, v, ctx.slot_mapping, ctx)
         if ctx.decode:
             o = self._decode(q, cache, ctx)
+        elif ctx.context_lens is not None:
+            o = self._mixed(q, cache, ctx)
         elif not ctx.prefill_from_cache:
             o = self._prefill(q, k, v, ctx.query_lens)
         else:
@@ -560,6 +567,35 @@ class Attention(nn.Module):
             outs.append(o[0].transpose(0, 1))
             start += n
         return torch.cat(outs, dim=0)
+
+    def _mixed(self, q, cache, ctx: StepContext) -> torch.Tensor:
+        """A mixed step (chunked prefill, prefill beside decode). Sequences with cached context and
+        one new token take the decode path (``_decode`` on those rows: the same kernels, hence the
+        same values, as a decode step). Every other sequence b's ``n_b`` new queries (positions
+        ``[c_b, c_b + n_b)``, ``c_b = context_lens[b]``) attend causally to its ``c_b + n_b``
+        tokens as read back from the cache (``cache.gather``), one SDPA call per sequence."""
+        assert ctx.block_tables is not None and ctx.seq_lens is not None and ctx.context_lens is not None
+        bs = cache.block_size
+        bt = ctx.block_tables.long()
+        o = torch.empty_like(q)
+        starts = [0, *itertools.accumulate(ctx.query_lens)]
+        dec = [b for b, (c, n) in enumerate(zip(ctx.context_lens, ctx.query_lens)) if c > 0 and n == 1]
+        if dec:
+            rows = torch.tensor([starts[b] for b in dec], device=q.device)
+            sel = torch.tensor(dec, device=q.device)
+            sub = replace(ctx, block_tables=ctx.block_tables[sel], seq_lens=ctx.seq_lens[sel])
+            o[rows] = self._decode(q[rows], cache, sub)
+        for b, (c, n) in enumerate(zip(ctx.context_lens, ctx.query_lens)):
+            if c > 0 and n == 1:
+                continue
+            pos = torch.arange(c + n, device=q.device)
+            slots = bt[b, pos // bs] * bs + pos % bs
+            k, v = cache.gather(self.layer_idx, slots, q.dtype, ctx)
+            mask = pos[None, :] <= (c + torch.arange(n, device=q.device))[:, None]  # [n, c + n]
+            qb = q[starts[b] : starts[b] + n].transpose(0, 1)[None]
+            ob = _sdpa_gqa(qb, k.transpose(0, 1)[None], v.transpose(0, 1)[None], causal=False, mask=mask)
+            o[starts[b] : starts[b] + n] = ob[0].transpose(0, 1)
+        return o
 
     def _prefill_skvq(self, q, k, v, kc, vc, query_lens, sinks: int, window: int) -> torch.Tensor:
         """Causal attention of a prefill as the SKVQ decode steps see it: query ``t`` reads key

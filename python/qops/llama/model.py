@@ -246,9 +246,19 @@ class QuantizedLlamaForCausalLM(nn.Module):
         """One model step for a batch of sequences.
 
         ``input_ids``: one list of new tokens per sequence (or an int tensor ``[B, S]`` of equal
-        lengths). Sequences unknown to the cache are prefilled (they must all be new); otherwise
-        every sequence must bring exactly one token (a decode step). Returns float32 logits
-        ``[B, V]`` of each sequence's last token (``last_only``), else ``[T, V]`` for all tokens.
+        lengths). Any mix: sequences unknown to the cache are prefilled, known ones continue from
+        their cached context with any number of new tokens (a decode token, or a chunk of a long
+        prompt: chunked prefill). Three kinds of step:
+
+        - every sequence known and bringing one token: a decode step (the paged decode kernels);
+        - every sequence new: a prefill (causal attention over the step's own K/V, or with
+          ``prefill_from_cache`` over the values read back from the cache);
+        - otherwise a mixed step: each sequence's new tokens attend causally to its whole context
+          as read back from the cache (cached prefix and the step's tokens, dequantized: what
+          decode sees), one sequence at a time (PyTorch SDPA; not for SKVQ caches).
+
+        Returns float32 logits ``[B, V]`` of each sequence's last token (``last_only``), else
+        ``[T, V]`` for all tokens.
 
         Transactional: the arguments (token ids are ints in ``[0, vocab_size)``) and the free
         blocks are checked before any slot is reserved, and a step that raises later gives its
@@ -265,13 +275,13 @@ class QuantizedLlamaForCausalLM(nn.Module):
         qlens = [len(r) for r in rows]
         if any(n == 0 for n in qlens):
             raise ValueError("step: every sequence needs at least one new token")
-        decode = all(known)
-        if decode and any(n != 1 for n in qlens):
-            raise ValueError(
-                "step: sequences with cached context take exactly one token per step (chunked prefill is not supported)"
+        decode = all(known) and all(n == 1 for n in qlens)
+        mixed = not decode and any(known)  # chunked prefill and / or prefill beside decode
+        if mixed and cache.skvq:
+            raise NotImplementedError(
+                "step: mixed steps (a known sequence with several new tokens, or known and new sequences "
+                "together) are not supported with an SKVQ cache; run prefills and decode steps separately"
             )
-        if not decode and any(known):
-            raise ValueError("step: a step is either a prefill of new sequences or a decode of known ones, not both")
         dev = self.device
         starts = [cache.seq_len(s) if k else 0 for s, k in zip(seq_ids, known)]
         # The arguments are checked: reserve the slots (append_slots checks the free blocks and
@@ -289,8 +299,9 @@ class QuantizedLlamaForCausalLM(nn.Module):
                 query_lens=qlens,
                 decode=decode,
                 prefill_from_cache=prefill_from_cache,
+                context_lens=starts if mixed else None,
             )
-            if decode or cache.skvq:  # the SKVQ write needs the tables and lengths in prefill too
+            if decode or mixed or cache.skvq:  # the SKVQ write needs the tables and lengths in prefill too
                 ctx.block_tables = cache.block_tables(seq_ids)
                 ctx.seq_lens = cache.seq_lens(seq_ids)
             if cache.skvq:
