@@ -7,7 +7,9 @@
 // thread, 1-16 CTAs per SM; and bulk copies into shared memory -- cp.async.bulk, the TMA engine
 // without a tensor map -- of one slice per CTA or of chunks dealt grid-stride), with and without
 // programmatic dependent launch, as a fraction of the 1 GiB device copy (read + write), the
-// ceiling the GEMM benchmark divides by. -v prints every shape.
+// ceiling the GEMM benchmark divides by. -v prints every shape. -w4 reads the W4A16 GEMV's bytes
+// instead of the int8 weights': int4 weights plus one 2-byte scale per group of 128 (N*K/2 +
+// N*K/64 bytes; docs/w4a16_gemm.md), the floor its "of copy" figures are held against.
 //
 // Standalone (CUDA runtime only, sm_90):
 //   nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a -I tools/probes \
@@ -141,7 +143,11 @@ static void launch(Kern k, int grid, int block, int smem, const uint4* p, long n
 }
 
 int main(int argc, char** argv) {
-  const bool verbose = argc > 1 && std::string(argv[1]) == "-v";
+  bool verbose = false, w4 = false;
+  for (int a = 1; a < argc; ++a) {
+    verbose = verbose || std::string(argv[a]) == "-v";
+    w4 = w4 || std::string(argv[a]) == "-w4";
+  }
   int sms;
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   cudaStream_t s;
@@ -172,6 +178,10 @@ int main(int argc, char** argv) {
                            // (3 kv heads, D = 64) and Llama-3-8B B = 1 (8 kv heads, D = 128)
                            {"KV smollm2 B1 T16384", 2L * 3 * 16384 * 64},
                            {"KV llama3-8b B1 T16384", 2L * 8 * 16384 * 128}};
+  if (w4) {  // the same layers as int4 weights + bf16 group-128 scales; no KV rows
+    sizes.resize(sizes.size() - 2);
+    for (Sz& z : sizes) z.bytes = z.bytes / 2 + z.bytes / 64;
+  }
   struct Cfg {
     const char* name;
     Kern k;
