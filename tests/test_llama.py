@@ -483,6 +483,25 @@ def test_generate_prefill_chunk(sd, variant):
         generate(model, prompts, 4, prefill_chunk=0)
 
 
+def test_serving_bench_smoke(tmp_path):
+    """bench.bench_serving on the CPU (tiny model): both servers finish every request with its own
+    output length, and greedy decoding gives the same tokens either way (float cache)."""
+    import csv
+
+    from bench import bench_serving
+
+    args = ["--model", "tiny", "--variant", "fp16", "--requests", "8", "--batch", "3", "--chunk", "8",
+            "--prompt-len", "3,40", "--output-len", "1,9", "--device", "cpu", "--out", str(tmp_path)]  # fmt: skip
+    assert bench_serving.main(args) == 0
+    rows = list(csv.DictReader(open(tmp_path / "serving.csv")))
+    assert [r["mode"] for r in rows] == ["static", "continuous"]
+    assert all(int(r["identical_outputs"]) == 8 for r in rows)
+    reqs = bench_serving.make_requests(8, TINY.vocab_size, (3, 40), (1, 9), 0.0)
+    model = build(tiny_state_dict(), QuantConfig.from_label("fp16"))
+    bench_serving.serve_continuous(model, reqs, 3, 8)
+    assert all(len(r.tokens) == r.max_new and r.first is not None and r.done is not None for r in reqs)
+
+
 def test_mixed_steps_refused_with_skvq(sd):
     model = build(sd, QuantConfig.from_label("KV4-w16s4"))
     cache = model.cache_for([40, 40])

@@ -69,7 +69,11 @@ print(json.dumps(results))
 """
 
 # Benchmarks that also run on the CPU (the Llama's reference ops) need CUDA only when asked for it.
-_BENCH_CUDA_ARGS = {"bench.bench_llama_decode": ["--device", "cuda"], "bench.eval_quality": ["--device", "cuda"]}
+_BENCH_CUDA_ARGS = {
+    "bench.bench_llama_decode": ["--device", "cuda"],
+    "bench.bench_serving": ["--device", "cuda"],
+    "bench.eval_quality": ["--device", "cuda"],
+}
 
 
 def bench_modules() -> list[str]:
