@@ -82,14 +82,12 @@ def serve_static(model, reqs: list[Request], batch: int) -> float:
         queue = queue[len(group) :]
         start = time.perf_counter() - t0
         res = generate(model, [r.prompt for r in group], max(r.max_new for r in group))
-        end = time.perf_counter() - t0
         for r, toks in zip(group, res.tokens):
             r.tokens = toks[: r.max_new]
             r.first = start + res.prefill_s
             # the request's last token came out at its step of the batch's decode loop
             steps = len(r.tokens) - 1
             r.done = r.first + (sum(res.step_times[:steps]) if steps else 0.0)
-        del end
     return time.perf_counter() - t0
 
 
