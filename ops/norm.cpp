@@ -40,11 +40,12 @@ qops::FusedQuantTuning norm_tuning(const char* op, const NormOptions& o) {
   return t;
 }
 
-// The unquantized forms (rms_norm, fused_add_rms_norm): out in the input's dtype.
-template <typename T>
-at::Tensor run_float(const char* op, const at::Tensor& input, at::Tensor* residual,
-                     const at::Tensor& weight, double epsilon,
-                     const qops::FusedQuantTuning& tuning) {
+// The rows both forms read: hidden size, row count, input and residual row strides (the residual
+// rows, written in place, must not overlap).
+struct RowLayout {
+  int64_t H, rows, in_stride, res_stride;
+};
+RowLayout row_layout(const char* op, const at::Tensor& input, const at::Tensor* residual) {
   const int64_t H = input.size(-1);
   const int64_t rows = input.numel() / H;
   const int64_t in_stride = qops_glue::row_stride(input, op, "input");
@@ -52,6 +53,15 @@ at::Tensor run_float(const char* op, const at::Tensor& input, at::Tensor* residu
   QOPS_CHECK_VALUE(!residual || rows <= 1 || res_stride >= H, op,
                    "residual rows must not overlap (it is written in place), got strides ",
                    residual->strides());
+  return {H, rows, in_stride, res_stride};
+}
+
+// The unquantized forms (rms_norm, fused_add_rms_norm): out in the input's dtype.
+template <typename T>
+at::Tensor run_float(const char* op, const at::Tensor& input, at::Tensor* residual,
+                     const at::Tensor& weight, double epsilon,
+                     const qops::FusedQuantTuning& tuning) {
+  const auto [H, rows, in_stride, res_stride] = row_layout(op, input, residual);
   auto out = at::empty(input.sizes(), input.options().memory_format(at::MemoryFormat::Contiguous));
   check_launch(qops::rms_norm<T>(
                    static_cast<const T*>(input.data_ptr()), in_stride,
@@ -67,13 +77,7 @@ std::tuple<at::Tensor, at::Tensor> run(const char* op, const at::Tensor& input,
                                        at::Tensor* residual, const at::Tensor& weight,
                                        double epsilon, const std::optional<at::Tensor>& scale,
                                        const qops::FusedQuantTuning& tuning) {
-  const int64_t H = input.size(-1);
-  const int64_t rows = input.numel() / H;
-  const int64_t in_stride = qops_glue::row_stride(input, op, "input");
-  const int64_t res_stride = residual ? qops_glue::row_stride(*residual, op, "residual") : 0;
-  QOPS_CHECK_VALUE(!residual || rows <= 1 || res_stride >= H, op,
-                   "residual rows must not overlap (it is written in place), got strides ",
-                   residual->strides());
+  const auto [H, rows, in_stride, res_stride] = row_layout(op, input, residual);
   auto out = at::empty(input.sizes(), input.options().dtype(at::kChar));
   auto scales =
       scale ? at::empty({1}, input.options().dtype(at::kFloat))

@@ -42,6 +42,20 @@ bool pipelined_by_default(int64_t rows, int64_t row_bytes, int sms, bool residua
          (nvec <= kPipeOneWarpVectors || rows * row_bytes > kPipeMinBytesPerSm * sms);
 }
 
+// The 16-byte vector path: hidden a multiple of the vector, 16-byte aligned input, weight and
+// residual rows, and the output aligned to `out_align` bytes (8 for int8 rows, 16 for T rows).
+template <typename T>
+bool rows_vec_ok(const T* in, int64_t in_row_stride, const T* residual, int64_t residual_row_stride,
+                 const T* weight, int64_t hidden, const void* out, size_t out_align) {
+  constexpr int VEC = 16 / sizeof(T);
+  constexpr int64_t kBytes = sizeof(T);
+  return hidden % VEC == 0 && is_aligned(in, 16) && (in_row_stride * kBytes) % 16 == 0 &&
+         is_aligned(weight, 16) &&
+         (residual == nullptr ||
+          (is_aligned(residual, 16) && (residual_row_stride * kBytes) % 16 == 0)) &&
+         is_aligned(out, out_align);
+}
+
 }  // namespace
 
 template <typename T>
@@ -56,13 +70,9 @@ cudaError_t rms_norm_quant(const T* in, int64_t in_row_stride, T* residual,
     return cudaMemcpyAsync(scale_out, static_scale, sizeof(float), cudaMemcpyDeviceToDevice,
                            stream);
   }
-  constexpr int VEC = 16 / sizeof(T);
   constexpr int64_t kBytes = sizeof(T);
-  const bool vec_ok = hidden % VEC == 0 && is_aligned(in, 16) &&
-                      (in_row_stride * kBytes) % 16 == 0 && is_aligned(weight, 16) &&
-                      (residual == nullptr ||
-                       (is_aligned(residual, 16) && (residual_row_stride * kBytes) % 16 == 0)) &&
-                      is_aligned(out, 8);
+  const bool vec_ok =
+      rows_vec_ok(in, in_row_stride, residual, residual_row_stride, weight, hidden, out, 8);
   const fq::DeviceInfo dev = fq::device_info();
   const norm::RmsNormArgs<T> args{in,           in_row_stride, residual, residual_row_stride,
                                   weight,       out,           nullptr,  scale_out,
@@ -84,13 +94,8 @@ cudaError_t rms_norm(const T* in, int64_t in_row_stride, T* residual, int64_t re
                      cudaStream_t stream, FusedQuantTuning tuning) {
   if (hidden <= 0 || rows < 0 || hidden > (1 << 30)) return cudaErrorInvalidValue;
   if (rows == 0) return cudaSuccess;
-  constexpr int VEC = 16 / sizeof(T);
-  constexpr int64_t kBytes = sizeof(T);
-  const bool vec_ok = hidden % VEC == 0 && is_aligned(in, 16) &&
-                      (in_row_stride * kBytes) % 16 == 0 && is_aligned(weight, 16) &&
-                      (residual == nullptr ||
-                       (is_aligned(residual, 16) && (residual_row_stride * kBytes) % 16 == 0)) &&
-                      is_aligned(out, 16);
+  const bool vec_ok =
+      rows_vec_ok(in, in_row_stride, residual, residual_row_stride, weight, hidden, out, 16);
   const norm::RmsNormArgs<T> args{in,      in_row_stride, residual, residual_row_stride,
                                   weight,  nullptr,       out,      nullptr,
                                   nullptr, rows,          hidden,   eps};
