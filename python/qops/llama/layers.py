@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import qops
+from qops._registry import HALF_DTYPES
 from qops.quantization import quantize_per_channel
 from qops.rope import rotate
 from qops.w4a16 import N_MULTIPLE, dequantize_weight_int4, n_major, quantize_weight_int4
@@ -338,13 +339,10 @@ def rms_norm_float(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return weight * y.to(x.dtype)
 
 
-_HALF = (torch.float16, torch.bfloat16)
-
-
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """(``residual <- x + residual``, in place, then) RMSNorm in the model dtype: one fused op
     (``qops.rms_norm`` / ``qops.fused_add_rms_norm``; float32 models: PyTorch)."""
-    if x.dtype in _HALF:
+    if x.dtype in HALF_DTYPES:
         return qops.rms_norm(x, weight, eps) if residual is None else qops.fused_add_rms_norm(x, residual, weight, eps)
     if residual is not None:
         residual.add_(x)
@@ -416,7 +414,7 @@ class Rotary(nn.Module):
     def apply_(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``q [T, H_q, D]`` and ``k [T, H_kv, D]`` rotated: in place by ``qops.rotary_embedding``
         (one kernel for both on CUDA) in float16 / bfloat16, else by ``forward``. Returns them."""
-        if q.dtype in _HALF:
+        if q.dtype in HALF_DTYPES:
             qops.rotary_embedding(positions, q, k, self.cos, self.sin)
             return q, k
         return self(q, positions), self(k, positions)
@@ -438,9 +436,9 @@ class StepContext:
             step's tokens): decode, and any step of an SKVQ cache (its write needs them).
         cu_seqlens: int32 ``[B + 1]``, the packed tokens' sequence boundaries (SKVQ cache).
         side_slots: int32 ``[B]``, each sequence's row of the side buffers (SKVQ cache).
-        context_lens: a mixed step (``decode`` False): each sequence's cached tokens before the
-            step (0 for a new one); its new tokens attend to that prefix and to themselves, all
-            read back from the cache. ``None``: a plain prefill of new sequences.
+        mixed: a mixed step (``decode`` False; ``MixedPlan``): which rows decode and which
+            sequences' new tokens attend to their cached prefix and to themselves, all read back
+            from the cache. ``None``: a plain prefill of new sequences.
         prefill_from_cache: prefill attends to the values read back from the cache (dequantized
             int8 / int4 with a quantized cache) instead of the fresh fp16 K/V: what decode sees,
             for quality evaluation of the KV cache. With SKVQ, each query position sees its own
@@ -457,7 +455,44 @@ class StepContext:
     prefill_from_cache: bool = False
     cu_seqlens: torch.Tensor | None = None
     side_slots: torch.Tensor | None = None
-    context_lens: list | None = None
+    mixed: MixedPlan | None = None
+
+
+@dataclass
+class MixedPlan:
+    """A mixed step's attention plan, built once per step (``build``) for every layer.
+
+    ``decode_rows`` (int64, token rows) are the sequences with cached context and one new token:
+    they take the decode kernels with ``decode_block_tables`` / ``decode_seq_lens`` (their rows of
+    the step's tables), ``None`` when there are none. ``chunks``: for every other sequence, its
+    first token row, its ``n`` new tokens, the cache ``slots`` of its whole context (``c + n``
+    tokens, ``c`` cached before the step) and the causal ``mask [n, c + n]``."""
+
+    decode_rows: torch.Tensor | None
+    decode_block_tables: torch.Tensor | None
+    decode_seq_lens: torch.Tensor | None
+    chunks: list
+
+    @classmethod
+    def build(cls, context_lens, query_lens, block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int):
+        dev = block_tables.device
+        starts = [0, *itertools.accumulate(query_lens)]
+        dec = [b for b, (c, n) in enumerate(zip(context_lens, query_lens)) if c > 0 and n == 1]
+        rows = tables = lens = None
+        if dec:
+            sel = torch.tensor(dec, device=dev)
+            rows = torch.tensor([starts[b] for b in dec], device=dev)
+            tables, lens = block_tables[sel], seq_lens[sel]
+        bt = block_tables.long()
+        chunks = []
+        for b, (c, n) in enumerate(zip(context_lens, query_lens)):
+            if c > 0 and n == 1:
+                continue
+            pos = torch.arange(c + n, device=dev)
+            slots = bt[b, pos // block_size] * block_size + pos % block_size
+            mask = pos[None, :] <= (c + torch.arange(n, device=dev))[:, None]
+            chunks.append((starts[b], n, slots, mask))
+        return cls(rows, tables, lens, chunks)
 
 
 def _sdpa_gqa(q, k, v, causal: bool, mask=None):
@@ -512,7 +547,7 @@ class Attention(nn.Module):
         cache.write(self.layer_idx, k, v, ctx.slot_mapping, ctx)
         if ctx.decode:
             o = self._decode(q, cache, ctx)
-        elif ctx.context_lens is not None:
+        elif ctx.mixed is not None:
             o = self._mixed(q, cache, ctx)
         elif not ctx.prefill_from_cache:
             o = self._prefill(q, k, v, ctx.query_lens)
@@ -569,32 +604,22 @@ class Attention(nn.Module):
         return torch.cat(outs, dim=0)
 
     def _mixed(self, q, cache, ctx: StepContext) -> torch.Tensor:
-        """A mixed step (chunked prefill, prefill beside decode). Sequences with cached context and
-        one new token take the decode path (``_decode`` on those rows: the same kernels, hence the
-        same values, as a decode step). Every other sequence b's ``n_b`` new queries (positions
-        ``[c_b, c_b + n_b)``, ``c_b = context_lens[b]``) attend causally to its ``c_b + n_b``
-        tokens as read back from the cache (``cache.gather``), one SDPA call per sequence."""
-        assert ctx.block_tables is not None and ctx.seq_lens is not None and ctx.context_lens is not None
-        bs = cache.block_size
-        bt = ctx.block_tables.long()
+        """A mixed step (chunked prefill, prefill beside decode; ``ctx.mixed``). Sequences with
+        cached context and one new token take the decode path (``_decode`` on those rows: the same
+        kernels, hence the same values, as a decode step). Every other sequence's new queries
+        attend causally to its whole context as read back from the cache (``cache.gather``), one
+        SDPA call per sequence."""
+        plan = ctx.mixed
+        assert plan is not None
         o = torch.empty_like(q)
-        starts = [0, *itertools.accumulate(ctx.query_lens)]
-        dec = [b for b, (c, n) in enumerate(zip(ctx.context_lens, ctx.query_lens)) if c > 0 and n == 1]
-        if dec:
-            rows = torch.tensor([starts[b] for b in dec], device=q.device)
-            sel = torch.tensor(dec, device=q.device)
-            sub = replace(ctx, block_tables=ctx.block_tables[sel], seq_lens=ctx.seq_lens[sel])
-            o[rows] = self._decode(q[rows], cache, sub)
-        for b, (c, n) in enumerate(zip(ctx.context_lens, ctx.query_lens)):
-            if c > 0 and n == 1:
-                continue
-            pos = torch.arange(c + n, device=q.device)
-            slots = bt[b, pos // bs] * bs + pos % bs
+        if plan.decode_rows is not None:
+            sub = replace(ctx, block_tables=plan.decode_block_tables, seq_lens=plan.decode_seq_lens)
+            o[plan.decode_rows] = self._decode(q[plan.decode_rows], cache, sub)
+        for r0, n, slots, mask in plan.chunks:
             k, v = cache.gather(self.layer_idx, slots, q.dtype, ctx)
-            mask = pos[None, :] <= (c + torch.arange(n, device=q.device))[:, None]  # [n, c + n]
-            qb = q[starts[b] : starts[b] + n].transpose(0, 1)[None]
+            qb = q[r0 : r0 + n].transpose(0, 1)[None]
             ob = _sdpa_gqa(qb, k.transpose(0, 1)[None], v.transpose(0, 1)[None], causal=False, mask=mask)
-            o[starts[b] : starts[b] + n] = ob[0].transpose(0, 1)
+            o[r0 : r0 + n] = ob[0].transpose(0, 1)
         return o
 
     def _prefill_skvq(self, q, k, v, kc, vc, query_lens, sinks: int, window: int) -> torch.Tensor:
@@ -649,7 +674,7 @@ class MLP(nn.Module):
         gu = self.gate_up_proj(x)
         if isinstance(self.down_proj, W8A8Linear):
             return self.down_proj(QAct(*qops.silu_and_mul_quant(gu, self.down_proj.input_scale)))
-        if gu.dtype in _HALF:
+        if gu.dtype in HALF_DTYPES:
             return self.down_proj(qops.silu_and_mul(gu))
         g, u = gu.chunk(2, dim=-1)
         return self.down_proj(F.silu(g) * u)

@@ -23,6 +23,7 @@ from .layers import (
     Attention,
     DecoderLayer,
     FloatLinear,
+    MixedPlan,
     RMSNorm,
     Rotary,
     StepContext,
@@ -299,11 +300,12 @@ class QuantizedLlamaForCausalLM(nn.Module):
                 query_lens=qlens,
                 decode=decode,
                 prefill_from_cache=prefill_from_cache,
-                context_lens=starts if mixed else None,
             )
             if decode or mixed or cache.skvq:  # the SKVQ write needs the tables and lengths in prefill too
-                ctx.block_tables = cache.block_tables(seq_ids)
-                ctx.seq_lens = cache.seq_lens(seq_ids)
+                ctx.block_tables = tables = cache.block_tables(seq_ids)
+                ctx.seq_lens = lens = cache.seq_lens(seq_ids)
+                if mixed:
+                    ctx.mixed = MixedPlan.build(starts, qlens, tables, lens, cache.block_size)
             if cache.skvq:
                 ctx.cu_seqlens = torch.tensor([0, *itertools.accumulate(qlens)], dtype=torch.int32, device=dev)
                 ctx.side_slots = cache.side_slots(seq_ids)
