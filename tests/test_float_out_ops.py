@@ -154,11 +154,16 @@ NORM_SIZES = [(1, 64), (3, 111), (17, 576), (1, 4096), (16, 4096), (5, 5120), (3
 @pytest.mark.parametrize("T,H", NORM_SIZES)
 @pytest.mark.parametrize("fused", [False, True])
 def test_cuda_rms_norm(dtype, T, H, fused):
-    x, r, w = make(T, H, dtype, "cuda", seed=T * 7 + H)
+    check_cuda_rms_norm(*make(T, H, dtype, "cuda", seed=T * 7 + H), 1e-5, fused)
+
+
+def check_cuda_rms_norm(x, r, w, eps, fused):
+    """The CUDA op (poisoned allocator) against the reference on the same GPU tensors; with
+    ``fused``, the residual updated in place too."""
     r_ref = r.clone()
-    ref = _fused_add_rms_norm_ref(x, r_ref, w, 1e-5) if fused else _rms_norm_ref(x, w, 1e-5)
-    poison_cuda_allocator(8 * T * H + 4096)
-    out = qops.fused_add_rms_norm(x, r, w, 1e-5) if fused else qops.rms_norm(x, w, 1e-5)
+    ref = _fused_add_rms_norm_ref(x, r_ref, w, eps) if fused else _rms_norm_ref(x, w, eps)
+    poison_cuda_allocator(8 * x.numel() + 4096)
+    out = qops.fused_add_rms_norm(x, r, w, eps) if fused else qops.rms_norm(x, w, eps)
     torch.cuda.synchronize()
     assert out.is_contiguous()
     assert_ulp_close(out, ref)
@@ -172,13 +177,7 @@ def test_cuda_rms_norm(dtype, T, H, fused):
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("extra", [8, 3])  # 16-byte aligned row stride, and not (scalar path)
 def test_cuda_rms_norm_strided(dtype, fused, extra):
-    x, r, w = make(37, 2048, dtype, "cuda", seed=extra, extra=extra)
-    r_ref = r.clone()
-    ref = _fused_add_rms_norm_ref(x, r_ref, w, 1e-6) if fused else _rms_norm_ref(x, w, 1e-6)
-    out = qops.fused_add_rms_norm(x, r, w, 1e-6) if fused else qops.rms_norm(x, w, 1e-6)
-    assert_ulp_close(out, ref)
-    if fused:
-        assert torch.equal(r, r_ref)
+    check_cuda_rms_norm(*make(37, 2048, dtype, "cuda", seed=extra, extra=extra), 1e-6, fused)
 
 
 @gpu

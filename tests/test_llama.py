@@ -19,6 +19,7 @@ import qops
 from qops.llama import QuantConfig, QuantizedLlamaForCausalLM, W8A8Linear, generate, quantize, smollm2
 from qops.llama.config import LlamaArgs
 from qops.llama.quantize import apply_smoothing, calibrate
+from qops.testing import compare_logits as compare
 from qops.testing import needs_w8a8_gemm, random_llama_state_dict, tiny_llama_args
 
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
@@ -42,16 +43,6 @@ def build(sd, qcfg: QuantConfig, dtype=torch.float16, **kw) -> QuantizedLlamaFor
 
 def fp32_tree(sd) -> QuantizedLlamaForCausalLM:
     return build(sd, QuantConfig(weights=False, kv_cache="fp16"), dtype=torch.float32)
-
-
-def compare(logits: torch.Tensor, ref: torch.Tensor) -> dict:
-    """Relative L2 error, mean next-token KL(ref || q) and top-1 agreement of ``[..., V]`` logits."""
-    lq, lr = torch.log_softmax(logits.float(), -1), torch.log_softmax(ref.float(), -1)
-    return {
-        "rel": float((logits.float() - ref.float()).norm() / ref.float().norm()),
-        "kl": float((lr.exp() * (lr - lq)).sum(-1).mean()),
-        "top1": float((lq.argmax(-1) == lr.argmax(-1)).float().mean()),
-    }
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ import torch
 
 from qops.llama import QuantConfig, QuantizedLlamaForCausalLM, W4A16Linear, W8A8Linear, quantize
 from qops.llama.config import LlamaArgs
+from qops.testing import compare_logits as compare
 from qops.testing import random_llama_state_dict, tiny_family_args
 
 pytestmark = pytest.mark.skipif(
@@ -19,16 +20,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 FLOAT = QuantConfig(weights=False, kv_cache="fp16")
-
-
-def compare(logits: torch.Tensor, ref: torch.Tensor) -> dict:
-    """Relative L2 error, mean next-token KL(ref || q) and top-1 agreement of ``[..., V]`` logits."""
-    lq, lr = torch.log_softmax(logits.float(), -1), torch.log_softmax(ref.float(), -1)
-    return {
-        "rel": float((logits.float() - ref.float()).norm() / ref.float().norm()),
-        "kl": float((lr.exp() * (lr - lq)).sum(-1).mean()),
-        "top1": float((lq.argmax(-1) == lr.argmax(-1)).float().mean()),
-    }
 
 
 def tiny_args(model_type: str) -> LlamaArgs:

@@ -23,6 +23,7 @@ from qops.llama import QuantConfig, QuantizedLlamaForCausalLM, generate
 from qops.llama.config import LlamaArgs
 from qops.llama.layers import QAct, RMSNorm, W4A16Linear
 from qops.llama.quantize import check_supported, quantize_state_dict
+from qops.testing import compare_logits as compare
 from qops.testing import random_llama_state_dict, tiny_family_args, tiny_llama_args
 from qops.w4a16 import dequantize_weight_int4, quantize_weight_int4
 
@@ -46,16 +47,6 @@ LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 def family(model_type: str) -> LlamaArgs:
     """test_llama_families' tiny shape of a family (K = 128 or 256: both group sizes fit)."""
     return tiny_family_args(model_type)
-
-
-def compare(logits: torch.Tensor, ref: torch.Tensor) -> dict:
-    """Relative L2 error, mean next-token KL(ref || q) and top-1 agreement of ``[..., V]`` logits."""
-    lq, lr = torch.log_softmax(logits.float(), -1), torch.log_softmax(ref.float(), -1)
-    return {
-        "rel": float((logits.float() - ref.float()).norm() / ref.float().norm()),
-        "kl": float((lr.exp() * (lr - lq)).sum(-1).mean()),
-        "top1": float((lq.argmax(-1) == lr.argmax(-1)).float().mean()),
-    }
 
 
 def build(sd, args: LlamaArgs, qcfg: QuantConfig, dtype=torch.float16, **kw) -> QuantizedLlamaForCausalLM:

@@ -145,6 +145,17 @@ def random_int4_weight(n: int, k: int, group_size: int, dtype: torch.dtype, with
     return pack_int4(q), scales, zeros
 
 
+def compare_logits(logits: torch.Tensor, ref: torch.Tensor) -> dict:
+    """Relative L2 error, mean next-token KL(ref || q) and top-1 agreement of ``[..., V]`` logits
+    against reference logits (the Llama tests' closeness measures)."""
+    lq, lr = torch.log_softmax(logits.float(), -1), torch.log_softmax(ref.float(), -1)
+    return {
+        "rel": float((logits.float() - ref.float()).norm() / ref.float().norm()),
+        "kl": float((lr.exp() * (lr - lq)).sum(-1).mean()),
+        "top1": float((lq.argmax(-1) == lr.argmax(-1)).float().mean()),
+    }
+
+
 def random_llama_state_dict(args, seed: int = 0) -> dict:
     """Random weights of a Llama model of shape ``args`` (a ``qops.llama.LlamaArgs``), float32 on
     the CPU, with Hugging Face names (``quantize_state_dict`` / ``from_state_dict`` take them), and
