@@ -17,7 +17,7 @@ its linears are
 ``save_compressed`` writes a qops W8A8 or W4A16 model back as such a checkpoint. The quantization
 config is parsed, checked and written with the ``compressed-tensors`` package (its
 ``QuantizationConfig``, compressor registry, ``ModelCompressor`` and the pack-quantized
-compressor's ``pack_to_int32`` / ``unpack_from_int32``). See docs/llama.md.
+compressor's ``pack_to_int32`` / ``unpack_from_int32``). See docs/checkpoints.md.
 
 int4 conventions. compressed-tensors: ``q`` a signed int4 in [-8, 7] (stored offset by 8 in the
 packed nibbles), ``w = (q - zero_point) * scale`` with an integer ``zero_point`` in [-8, 7].

@@ -385,7 +385,7 @@ def main(argv=None) -> int:
         choices=("spread", "first"),
         default="spread",
         help="spread: --tokens // --seq-len windows spread evenly over the text (default); first: the first "
-        "--tokens tokens (the layout of the tables in docs/llama.md)",
+        "--tokens tokens (the layout of the tables in docs/llama_results.md)",
     )
     p.add_argument(
         "--tokens",
