@@ -10,7 +10,8 @@
 # (random shapes, --hypothesis-profile=sanitize: a few examples each), the bad-call contracts, the
 # PDL chains (norm, SiLU, quant, GEMV, cache write, decode attention back to back), the int8 KV write,
 # the decode attention's small cases, the decode GEMV at every launch shape, and the int4 KV
-# writes (bit-exact cases) and decode (every merge path, with and without SKVQ's side tokens).
+# writes (bit-exact cases) and decode (every merge path, with and without SKVQ's side tokens), the
+# float-output norms, SiLU-and-mul and RoPE, and the W4A16 GEMV (strided input, graph reuse).
 set -uo pipefail
 TOOLS=memcheck,racecheck,synccheck
 OUT=${OUT:-$PWD/sanitize_out}
@@ -33,7 +34,14 @@ if [ ${#ARGS[@]} -eq 0 ]; then
         "tests/test_int4_kv_cuda.py::test_reshape_and_cache_int4_bit_exact"
         "tests/test_int4_kv_cuda.py::test_skvq_cache_write_bit_exact"
         "tests/test_int4_kv_cuda.py::test_int4_decode_skvq_merges"
-        "tests/test_int4_kv_cuda.py::test_int4_decode_merges")
+        "tests/test_int4_kv_cuda.py::test_int4_decode_merges"
+        "tests/test_float_out_ops.py::test_cuda_rms_norm_strided"
+        "tests/test_float_out_ops.py::test_cuda_silu_and_mul"
+        "tests/test_float_out_ops.py::test_cuda_rope"
+        "tests/test_float_out_ops.py::test_cuda_rope_matches_cpu_op_and_bad_position"
+        "tests/test_float_out_ops.py::test_cuda_float_ops_graph_and_empty"
+        "tests/test_w4a16_cuda.py::test_gemm_strided_and_unaligned_a"
+        "tests/test_w4a16_cuda.py::test_gemm_cuda_graph_and_reuse")
 fi
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
