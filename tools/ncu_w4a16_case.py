@@ -1,7 +1,7 @@
 """Run one W4A16 GEMM a few times eagerly, for a profiler (ncu) or compute-sanitizer.
 
-    python -m tools.ncu_w4a16_case --n 12288 --k 4096 --m 1 [--group 128] [--zeros] [--dtype bf16]
-    ncu --set full -k regex:gemv_kernel --launch-skip 2 --launch-count 1 python3 -m tools.ncu_w4a16_case ...
+python -m tools.ncu_w4a16_case --n 12288 --k 4096 --m 1 [--group 128] [--zeros] [--dtype bf16]
+ncu --set full -k regex:gemv_kernel --launch-skip 2 --launch-count 1 python3 -m tools.ncu_w4a16_case ...
 """
 
 import argparse
