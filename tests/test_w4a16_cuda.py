@@ -124,6 +124,38 @@ def test_gemm_each_config(config, m, n, k, g, with_zeros, dtype):
     check_close(out, a, packed, scales, zeros, g)
 
 
+# The decode GEMV deals (64-row tile, K group) units evenly over the CTAs that fit at once (sm_90),
+# so a CTA's range may hold one unit, part of a tile, or whole tiles between two partial ones, and
+# a tile may be shared by up to dozens of CTAs (their partials added by the last to arrive). These
+# shapes hit each case (U = row tiles x groups against 2 x 132 CTAs on an H100), including N not a
+# multiple of 64 (a last tile of 1-3 row blocks) and the ring of stages wrapping many times.
+GEMV_SHAPES = [
+    (16, 64, 64),  # U = 1: one CTA
+    (80, 4096, 128),  # 2 tiles (the last one row block) x 32 groups: one unit per CTA
+    (8192, 1024, 128),  # 1024 units: ranges cross tile boundaries
+    (1040, 11008, 64),  # 17 tiles x 172 groups, last tile one row block
+    (4096, 14336, 128),  # 7168 units: whole tiles inside ranges, the ring of stages wraps
+    (4096, 14336, 64),  # 14336 units of groups of 64: wraps more
+    (208, 8192, 64),  # 4 tiles (the last 1 row block) x 128 groups over many CTAs
+]
+
+
+@pytest.mark.parametrize("n,k,g", GEMV_SHAPES, ids=[f"{n}x{k}g{g}" for n, k, g in GEMV_SHAPES])
+@pytest.mark.parametrize("m", [1, 7, 9, 16])
+def test_gemv_partitions(n, k, g, m):
+    dtype = torch.float16 if (n + m) % 2 else torch.bfloat16
+    with_zeros = (k // g + m) % 2 == 1
+    packed, scales, zeros = random_int4_weight(n, k, g, dtype, with_zeros, seed=n * 7 + k + m)
+    a = torch.randn(m, k, generator=torch.Generator().manual_seed(m + k)).to(dtype)
+    wp = qops.w4a16_prepack(packed.cuda())
+    s = n_major(scales.cuda())
+    z = None if zeros is None else n_major(zeros.cuda())
+    poison_cuda_allocator()
+    outs = [qops.w4a16_gemm(a.cuda(), wp, s, z, g, config="gemv") for _ in range(2)]
+    assert torch.equal(outs[0], outs[1])  # the partials are added in a fixed order
+    check_close(outs[0], a, packed, scales, zeros, g)
+
+
 def test_gemm_matches_cpu_reference_and_is_deterministic():
     packed, scales, zeros = random_int4_weight(272, 1024, 128, torch.bfloat16, True, seed=3)
     a = torch.randn(9, 1024, dtype=torch.bfloat16)

@@ -307,9 +307,10 @@ Plan plan(const Problem& p, int sm_count) {
   pl.tok_blocks = (p.m + kMaxTokens - 1) / kMaxTokens;
   const int groups = p.k / p.group_size;
   const int64_t base = static_cast<int64_t>(pl.row_tiles) * pl.tok_blocks;
-  // Two resident CTAs per SM; each warp keeps at least one group.
+  // Two resident CTAs per SM: as many splits as fit in one wave (a second, partial wave of CTAs
+  // would double the time of the SMs that run it); each warp keeps at least one group.
   const int64_t target = 2LL * std::max(sm_count, 1);
-  const int64_t want = (target + base - 1) / base;
+  const int64_t want = std::max<int64_t>(1, target / base);
   const int64_t most = std::max(1, groups / kWarps);
   pl.k_splits = static_cast<int>(std::max<int64_t>(1, std::min(want, most)));
   if (base > kMaxSplitCounters) pl.k_splits = 1;
