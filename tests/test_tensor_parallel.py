@@ -332,6 +332,38 @@ def test_seam_is_replaceable(monkeypatch):
     assert len(calls) == 2 * args.num_layers - 1  # every norm but layer 0's input norm
 
 
+def test_norm_after_collective_launches_without_pdl(monkeypatch):
+    """The kernel reading an all-reduce's output must not use programmatic dependent launch: with
+    PDL it may start before the stream's wait on the NCCL stream (W4A16 TP 2 decode on 2 GPUs was
+    off by a relative 1.26 with PDL and right with QOPS_PDL=0). The seam's norm and the final norm
+    launch with enable_pdl=False at world size > 1, and keep the default at world size 1."""
+    import qops.llama.layers as layers
+
+    seen = []
+
+    def spy(x, residual, weight, eps, *, enable_pdl=None):
+        seen.append(enable_pdl)
+        residual.add_(x)
+        return residual.clone()
+
+    monkeypatch.setattr(layers.qops, "fused_add_rms_norm", spy)
+
+    class FakeTP:
+        def __init__(self, world):
+            self.world_size = world
+
+        def all_reduce(self, x):
+            return x
+
+    norm = layers.RMSNorm(8, 1e-6, quantize=False, dtype=torch.float16)
+    for world, want in ((2, False), (1, None)):
+        seen.clear()
+        tpm.all_reduce_add_rms_norm(
+            FakeTP(world), torch.ones(2, 8, dtype=torch.float16), torch.zeros(2, 8, dtype=torch.float16), norm, None
+        )
+        assert seen == [want]
+
+
 # ---- whole models over gloo -------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def reference():

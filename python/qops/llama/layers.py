@@ -339,11 +339,16 @@ def rms_norm_float(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return weight * y.to(x.dtype)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, enable_pdl: bool | None = None
+) -> torch.Tensor:
     """(``residual <- x + residual``, in place, then) RMSNorm in the model dtype: one fused op
-    (``qops.rms_norm`` / ``qops.fused_add_rms_norm``; float32 models: PyTorch)."""
+    (``qops.rms_norm`` / ``qops.fused_add_rms_norm``; float32 models: PyTorch). ``enable_pdl``:
+    the op's (``False`` right after a collective: see ``RMSNorm.forward``)."""
     if x.dtype in HALF_DTYPES:
-        return qops.rms_norm(x, weight, eps) if residual is None else qops.fused_add_rms_norm(x, residual, weight, eps)
+        if residual is None:
+            return qops.rms_norm(x, weight, eps, enable_pdl=enable_pdl)
+        return qops.fused_add_rms_norm(x, residual, weight, eps, enable_pdl=enable_pdl)
     if residual is not None:
         residual.add_(x)
         x = residual
@@ -367,12 +372,24 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device), requires_grad=False)
         self.eps, self.quantize = eps, quantize
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> Act:
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None = None,
+        scale: torch.Tensor | None = None,
+        enable_pdl: bool | None = None,
+    ) -> Act:
+        """``enable_pdl=False`` when ``x`` comes straight from a collective (tensor parallelism): a
+        kernel launched with programmatic dependent launch may start once the previous *kernel* in
+        the stream lets it, ahead of the stream's wait on the NCCL stream, and read the partial
+        sums before the all-reduce has written them (seen on 2 GPUs: W4A16 TP 2 decode logits off
+        by a relative 1.26 with PDL, right without)."""
         if self.quantize:
             if residual is None:
-                return QAct(*qops.rms_norm_quant(x, self.weight, self.eps, scale))
-            return QAct(*qops.fused_add_rms_norm_quant(x, residual, self.weight, self.eps, scale))
-        return add_rms_norm(x, residual, self.weight, self.eps)
+                return QAct(*qops.rms_norm_quant(x, self.weight, self.eps, scale, enable_pdl=enable_pdl))
+            out = qops.fused_add_rms_norm_quant(x, residual, self.weight, self.eps, scale, enable_pdl=enable_pdl)
+            return QAct(*out)
+        return add_rms_norm(x, residual, self.weight, self.eps, enable_pdl)
 
 
 # ---- RoPE ---------------------------------------------------------------------------------------

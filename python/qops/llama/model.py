@@ -210,10 +210,11 @@ class QuantizedLlamaForCausalLM(nn.Module):
     def head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head
 
-    def logits(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, residual: torch.Tensor, enable_pdl: bool | None = None) -> torch.Tensor:
         """Final residual add, RMSNorm and LM head: ``[T, H]`` -> float32 ``[T, V]``. ``residual``
-        (the step's own stream, or rows gathered from it) is consumed: the add is in place."""
-        x = add_rms_norm(hidden, residual, self.norm, self.args.rms_norm_eps)
+        (the step's own stream, or rows gathered from it) is consumed: the add is in place.
+        ``enable_pdl``: the norm's (``False`` after a collective, ``RMSNorm.forward``)."""
+        x = add_rms_norm(hidden, residual, self.norm, self.args.rms_norm_eps, enable_pdl)
         w = self.head_weight()
         if x.device.type == "cpu" and x.dtype == torch.float16:
             # CPU float16 GEMMs are slow; float32 is faster and at least as accurate

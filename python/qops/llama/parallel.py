@@ -320,7 +320,8 @@ def all_reduce_add_rms_norm(
     through here (``TPDecoderLayer`` looks it up at call time), so a fused all-reduce + residual +
     RMSNorm + quant kernel can replace this one function."""
     tp.all_reduce(partial)
-    return norm(partial, residual, scale)
+    # the norm reads the all-reduce's output: launched without PDL (RMSNorm.forward says why)
+    return norm(partial, residual, scale, enable_pdl=False if tp.world_size > 1 else None)
 
 
 # ---- modules ------------------------------------------------------------------------------------
@@ -385,9 +386,12 @@ class TPLlamaForCausalLM(QuantizedLlamaForCausalLM):
         x = F.embedding(local.clamp(0, self.vocab_rows - 1), self.embed_tokens.weight)
         return self.tp.all_reduce(x.masked_fill(outside[:, None], 0))
 
-    def logits(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """Final add + RMSNorm, this rank's LM-head rows, all-gathered: float32 ``[T, V]``."""
-        local = super().logits(hidden, residual)
+    def logits(self, hidden: torch.Tensor, residual: torch.Tensor, enable_pdl: bool | None = None) -> torch.Tensor:
+        """Final add + RMSNorm, this rank's LM-head rows, all-gathered: float32 ``[T, V]``. The
+        norm follows the last all-reduce, so it launches without PDL (``RMSNorm.forward``)."""
+        if self.tp.world_size > 1:
+            enable_pdl = False
+        local = super().logits(hidden, residual, enable_pdl)
         return self.tp.all_gather(local, dim=-1)[:, : self.global_args.vocab_size]
 
     def forward(self, input_ids: torch.Tensor, ctx, logits_rows: torch.Tensor | None = None) -> torch.Tensor:
