@@ -124,19 +124,18 @@ def test_gemm_each_config(config, m, n, k, g, with_zeros, dtype):
     check_close(out, a, packed, scales, zeros, g)
 
 
-# The decode GEMV deals (64-row tile, K group) units evenly over the CTAs that fit at once (sm_90),
-# so a CTA's range may hold one unit, part of a tile, or whole tiles between two partial ones, and
-# a tile may be shared by up to dozens of CTAs (their partials added by the last to arrive). These
-# shapes hit each case (U = row tiles x groups against 2 x 132 CTAs on an H100), including N not a
-# multiple of 64 (a last tile of 1-3 row blocks) and the ring of stages wrapping many times.
+# The decode GEMV splits K over CTAs where the 64-row tiles alone leave SMs idle (as many splits as
+# fit in one wave), and over the 8 warps of a CTA; a partial last tile has 1-3 row blocks. These
+# shapes cover one CTA, many splits of few groups, no split, last tiles of one row block and long
+# K (down projections), at M on either side of the 8-token MMA tile.
 GEMV_SHAPES = [
-    (16, 64, 64),  # U = 1: one CTA
-    (80, 4096, 128),  # 2 tiles (the last one row block) x 32 groups: one unit per CTA
-    (8192, 1024, 128),  # 1024 units: ranges cross tile boundaries
+    (16, 64, 64),  # one CTA, one group
+    (80, 4096, 128),  # 2 tiles (the last one row block), 32 groups: many splits
+    (8192, 1024, 128),  # 128 tiles, 8 groups: one group per warp, no split
     (1040, 11008, 64),  # 17 tiles x 172 groups, last tile one row block
-    (4096, 14336, 128),  # 7168 units: whole tiles inside ranges, the ring of stages wraps
-    (4096, 14336, 64),  # 14336 units of groups of 64: wraps more
-    (208, 8192, 64),  # 4 tiles (the last 1 row block) x 128 groups over many CTAs
+    (4096, 14336, 128),  # long K: 4 splits of 28 groups
+    (4096, 14336, 64),
+    (208, 8192, 64),  # 4 tiles (the last one row block) x 128 groups, many splits
 ]
 
 
