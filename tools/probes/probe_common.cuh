@@ -1,5 +1,6 @@
 // What the standalone probes (tools/probes/probe_*.cu) share: a CUDA return-code check, the copy
-// bandwidth they divide by, and the benchmarks' timing -- a CUDA graph of many calls (rotating over
+// bandwidth they divide by, the mbarrier / PDL device helpers of their bulk-copy readers, and the
+// benchmarks' timing -- a CUDA graph of many calls (rotating over
 // input sets that spill L2, which the caller's launches arrange), replayed, median per call.
 // CUDA runtime only; each probe includes it and still compiles alone (see its header).
 #pragma once
@@ -7,6 +8,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
@@ -19,6 +21,31 @@
       exit(1);                                                                        \
     }                                                                                 \
   } while (0)
+
+// ---- device helpers of the bulk-copy (TMA engine) readers --------------------------------------
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void bar_init(uint64_t* b) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(b)) : "memory");
+}
+__device__ __forceinline__ void bar_wait(uint64_t* b, unsigned parity) {
+  asm volatile(
+      "{\n.reg .pred d;\nW_%=:\nmbarrier.try_wait.parity.shared::cta.b64 d, [%0], %1;\n"
+      "@!d bra W_%=;\n}\n" ::"r"(smem_u32(b)),
+      "r"(parity)
+      : "memory");
+}
+__device__ __forceinline__ void bar_expect(uint64_t* b, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(b)),
+               "r"(bytes)
+               : "memory");
+}
+// As the GEMVs do under PDL: let the next kernel launch, then wait for the previous one.
+__device__ __forceinline__ void pdl_start() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+}
 
 // Milliseconds of each of `reps` runs of `run` on `s` (CUDA events), sorted.
 template <typename Run>

@@ -16,11 +16,8 @@
 //        tools/probes/probe_kv_read_floor.cu -o /tmp/probe_kv_read_floor && /tmp/probe_kv_read_floor
 #include <cstdint>
 
-#include "probe_common.cuh"  // CK, probe_copy_gbps, probe_graph_us
+#include "probe_common.cuh"  // CK, probe_copy_gbps, probe_graph_us, smem_u32, bar_*, pdl_start
 
-__device__ __forceinline__ unsigned smem_u32(const void* p) {
-  return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
 // the byte offset of chunk j (a CTA's chunks are first .. first + chunks_per_cta - 1): a
 // pseudo-random chunk of the window that starts at chunk `base`
 __device__ __forceinline__ long chunk_off(long j, long window_chunks, long base, int C) {
@@ -97,13 +94,6 @@ __global__ void __launch_bounds__(NW * 32)
   if (acc == 0x9e3779b9u) out[0] = acc;
 }
 
-__device__ __forceinline__ void bar_wait(uint64_t* b, unsigned parity) {
-  asm volatile(
-      "{\n.reg .pred d;\nW_%=:\nmbarrier.try_wait.parity.shared::cta.b64 d, [%0], %1;\n"
-      "@!d bra W_%=;\n}\n" ::"r"(smem_u32(b)),
-      "r"(parity)
-      : "memory");
-}
 // bulk copies: lane 0 of each of NW warps issues its own chunks (round-robin) into its ring of ST
 // stages and waits for them in order (NW = 1: one thread issues everything)
 template <int C, int ST, int NW>

@@ -19,7 +19,7 @@
 #include <cstdint>
 #include <string>
 
-#include "probe_common.cuh"  // CK, probe_copy_gbps, probe_graph_us
+#include "probe_common.cuh"  // CK, probe_copy_gbps, probe_graph_us, smem_u32, bar_*, pdl_start
 
 __device__ __forceinline__ uint4 ld_stream(const void* p) {
   uint4 v;
@@ -27,11 +27,6 @@ __device__ __forceinline__ uint4 ld_stream(const void* p) {
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                : "l"(p));
   return v;
-}
-// As the GEMV does under PDL: let the next kernel launch, then wait for the previous one.
-__device__ __forceinline__ void pdl_start() {
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-  asm volatile("griddepcontrol.wait;" ::: "memory");
 }
 
 // grid-stride over 16-byte vectors, U loads per iteration, all issued (from a safe address when
@@ -81,16 +76,6 @@ __global__ void read_slice(const uint4* __restrict__ p, long n, unsigned* out, i
 // a ring of ST shared-memory stages of C bytes: one thread issues everything, so the bytes in
 // flight are bounded by shared memory, not by registers. The data is not used (the probe times the
 // memory system), except one word, so the stages are really waited for.
-__device__ __forceinline__ unsigned smem_u32(const void* p) {
-  return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void bar_wait(uint64_t* b, unsigned parity) {
-  asm volatile(
-      "{\n.reg .pred d;\nW_%=:\nmbarrier.try_wait.parity.shared::cta.b64 d, [%0], %1;\n"
-      "@!d bra W_%=;\n}\n" ::"r"(smem_u32(b)),
-      "r"(parity)
-      : "memory");
-}
 // GS: chunk c goes to CTA c % gridDim.x (the grid-stride order; otherwise one slice per CTA).
 template <int ST, int C, bool GS = false>
 __global__ void read_bulk(const uint4* __restrict__ p, long n, unsigned* out, int pdl) {
