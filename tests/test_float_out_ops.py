@@ -120,25 +120,35 @@ def test_float_ops_opcheck():
     torch.library.opcheck(torch.ops.qops.rotary_embedding.default, (torch.tensor([1, 2, 15]), q, k, cos, sin))
 
 
-def test_float_ops_errors():
-    x, r, w = make(3, 64, torch.float16)
-    with pytest.raises(TypeError, match=r"qops.rms_norm: input must be"):
-        qops.rms_norm(x.float(), w, 1e-6)
+def _errors_on_both_devices(device: str) -> None:
+    """The checks the CPU reference and the CUDA glue share, with the same messages."""
+    x, r, w = make(3, 64, torch.float16, device)
     with pytest.raises(ValueError, match=r"qops.rms_norm: weight must have shape \[64\]"):
         qops.rms_norm(x, w[:10], 1e-6)
     with pytest.raises(ValueError, match=r"qops.fused_add_rms_norm: residual must have the input's shape"):
         qops.fused_add_rms_norm(x, r[:2], w, 1e-6)
     with pytest.raises(ValueError, match=r"qops.silu_and_mul: input's last dimension must be 2\*I"):
         qops.silu_and_mul(x[:, :63])
+    cos, sin = (t.to(device) for t in rope_tables(8, 64))
+    q = torch.randn(3, 2, 64, dtype=torch.float16, device=device)
+    k = torch.randn(3, 1, 64, dtype=torch.float16, device=device)
+    pos = torch.tensor([0, 1, 2], device=device)
+    with pytest.raises(ValueError, match=r"key must be \[T, H_kv, D\] = \[3, H_kv, 64\]"):
+        qops.rotary_embedding(pos, q, k[:2], cos, sin)
+    with pytest.raises(ValueError, match=r"cos must be float32 \[max_pos, D\] with D = 64"):
+        qops.rotary_embedding(pos, q, k, cos[:, :32].contiguous(), sin)
+
+
+def test_float_ops_errors():
+    _errors_on_both_devices("cpu")
+    x, r, w = make(3, 64, torch.float16)
+    with pytest.raises(TypeError, match=r"qops.rms_norm: input must be"):
+        qops.rms_norm(x.float(), w, 1e-6)
     cos, sin = rope_tables(8, 64)
     q = torch.randn(3, 2, 64, dtype=torch.float16)
     k = torch.randn(3, 1, 64, dtype=torch.float16)
     with pytest.raises(ValueError, match=r"qops.rotary_embedding: positions must be in \[0, 8\), got \[0, 8\]"):
         qops.rotary_embedding(torch.tensor([0, 1, 8]), q, k, cos, sin)
-    with pytest.raises(ValueError, match=r"key must be \[T, H_kv, D\] = \[3, H_kv, 64\]"):
-        qops.rotary_embedding(torch.tensor([0, 1, 2]), q, k[:2], cos, sin)
-    with pytest.raises(ValueError, match=r"cos must be float32 \[max_pos, D\] with D = 64"):
-        qops.rotary_embedding(torch.tensor([0, 1, 2]), q, k, cos[:, :32], sin)
     with pytest.raises(TypeError, match=r"positions must be"):
         qops.rotary_embedding(torch.tensor([0, 1, 2], dtype=torch.int32), q, k, cos, sin)
 
@@ -272,17 +282,4 @@ def test_cuda_float_ops_graph_and_empty():
 @gpu
 @needs_cuda
 def test_cuda_float_ops_errors():
-    x, r, w = make(3, 64, torch.float16, "cuda")
-    with pytest.raises(ValueError, match=r"qops.rms_norm: weight must have shape \[64\]"):
-        qops.rms_norm(x, w[:10], 1e-6)
-    with pytest.raises(ValueError, match=r"qops.fused_add_rms_norm: residual must have the input's shape"):
-        qops.fused_add_rms_norm(x, r[:2], w, 1e-6)
-    with pytest.raises(ValueError, match=r"qops.silu_and_mul: input's last dimension must be 2\*I"):
-        qops.silu_and_mul(x[:, :63])
-    cos, sin = (t.cuda() for t in rope_tables(8, 64))
-    q = torch.randn(3, 2, 64, dtype=torch.float16, device="cuda")
-    k = torch.randn(3, 1, 64, dtype=torch.float16, device="cuda")
-    with pytest.raises(ValueError, match=r"key must be \[T, H_kv, D\] = \[3, H_kv, 64\]"):
-        qops.rotary_embedding(torch.tensor([0, 1, 2], device="cuda"), q, k[:2], cos, sin)
-    with pytest.raises(ValueError, match=r"cos must be float32 \[max_pos, D\] with D = 64"):
-        qops.rotary_embedding(torch.tensor([0, 1, 2], device="cuda"), q, k, cos[:, :32].contiguous(), sin)
+    _errors_on_both_devices("cuda")
