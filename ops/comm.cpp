@@ -49,6 +49,12 @@ Common check_common(const at::Tensor& input, const at::Tensor& residual, const a
                    " rows of H = ", H, " do not fit the workspace buffers (", buffer_bytes,
                    " bytes, of which ", cm::kFlagsBytes, " are flags)");
   QOPS_CHECK_VALUE(T <= INT32_MAX, op, "too many rows");
+  for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{input, "input"},
+                                std::pair<const at::Tensor&, const char*>{residual, "residual"},
+                                std::pair<const at::Tensor&, const char*>{weight, "weight"}}) {
+    QOPS_CHECK_VALUE(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, op, name,
+                     " must start at a 16-byte aligned address (16-byte loads)");
+  }
   return {T, H};
 }
 

@@ -56,21 +56,30 @@ __device__ __forceinline__ uint32_t* flags_of(uint64_t buffer) {
 __device__ __forceinline__ int flag_slot(int phase, int block, int src) {
   return (phase * kMaxBlocks + block) * kMaxRanks + src;
 }
+__device__ __forceinline__ uint32_t* epoch_of(uint64_t buffer, int block) {
+  return flags_of(buffer) + 2 * kMaxBlocks * kMaxRanks + block;
+}
+__device__ __forceinline__ void store_release_sys(uint32_t* p, uint32_t v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ uint32_t load_acquire_sys(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
 
-// Block b of this rank meets block b of every rank: thread r < world tells rank r "arrived" and
-// waits for rank r's word. Everything the block wrote before is visible to the peers after it.
-__device__ void barrier(const ArNormProblem& p, int phase) {
+// Block b of this rank meets block b of every rank in call `epoch`: thread r < world stores the
+// epoch into this rank's flag in rank r's buffer (release: everything the block wrote before is
+// visible to rank r once it sees the flag) and waits until rank r's flag in this rank's buffer
+// holds it (acquire). A peer is at most one phase ahead, so "reached" is a wrap-safe >=.
+__device__ void barrier(const ArNormProblem& p, int phase, uint32_t epoch) {
   __syncthreads();
   const int r = threadIdx.x;
   if (r < p.world) {
-    __threadfence_system();  // this block's writes (its rows of the buffer) before the flag
-    uint32_t* peer = flags_of(p.buffers[r]) + flag_slot(phase, blockIdx.x, p.rank);
-    while (atomicCAS_system(peer, 0u, 1u) != 0u) {
+    store_release_sys(flags_of(p.buffers[r]) + flag_slot(phase, blockIdx.x, p.rank), epoch);
+    const uint32_t* mine = flags_of(p.buffers[p.rank]) + flag_slot(phase, blockIdx.x, r);
+    while (static_cast<int32_t>(load_acquire_sys(mine) - epoch) < 0) {
     }
-    uint32_t* mine = flags_of(p.buffers[p.rank]) + flag_slot(phase, blockIdx.x, r);
-    while (atomicCAS_system(mine, 1u, 0u) != 1u) {
-    }
-    __threadfence_system();  // the peer's writes before ours reads
   }
   __syncthreads();
 }
@@ -78,6 +87,9 @@ __device__ void barrier(const ArNormProblem& p, int phase) {
 template <typename T, bool kQuant>
 __global__ void __launch_bounds__(kThreads) allreduce_norm_kernel(const ArNormProblem p) {
   __shared__ float red[32];
+  // this call's number for this block (the same on every rank: every rank makes the same calls)
+  uint32_t* epoch_word = epoch_of(p.buffers[p.rank], blockIdx.x);
+  const uint32_t epoch = *epoch_word + 1;
   const int nvec = p.h / kVec;
   const size_t row_bytes = static_cast<size_t>(p.h) * sizeof(T);
   // 1. this rank's rows of the partial sums into its own buffer
@@ -88,7 +100,7 @@ __global__ void __launch_bounds__(kThreads) allreduce_norm_kernel(const ArNormPr
     uint4* dst = reinterpret_cast<uint4*>(own + row * row_bytes);
     for (int v = threadIdx.x; v < nvec; v += kThreads) dst[v] = src[v];
   }
-  barrier(p, 0);
+  barrier(p, 0, epoch);
 
   // 2. every rank's rows, summed in rank order, + residual, norm (+ quant)
   T* res = static_cast<T*>(p.residual);
@@ -100,9 +112,7 @@ __global__ void __launch_bounds__(kThreads) allreduce_norm_kernel(const ArNormPr
     for (int c = 0; c < kMaxChunks; ++c) {
       const int v = threadIdx.x + c * kThreads;
       if (v >= nvec) break;
-      float s[kVec];
-#pragma unroll
-      for (int i = 0; i < kVec; ++i) s[i] = 0.0f;
+      float s[kVec];  // rank 0's values, then the others added in rank order
       for (int r = 0; r < p.world; ++r) {
         Vec x;
         x.u = __ldcg(
@@ -110,7 +120,7 @@ __global__ void __launch_bounds__(kThreads) allreduce_norm_kernel(const ArNormPr
                                            kFlagsBytes + row * row_bytes) +
             v);
 #pragma unroll
-        for (int i = 0; i < kVec; ++i) s[i] += elem<T>(x, i);
+        for (int i = 0; i < kVec; ++i) s[i] = r == 0 ? elem<T>(x, i) : s[i] + elem<T>(x, i);
       }
       T* rrow = res + static_cast<int64_t>(row) * p.res_stride;
       Vec rv;
@@ -182,7 +192,8 @@ __global__ void __launch_bounds__(kThreads) allreduce_norm_kernel(const ArNormPr
     }
   }
   // 3. no rank leaves (and overwrites its buffer in its next call) while a peer still reads it
-  barrier(p, 1);
+  barrier(p, 1, epoch);
+  if (threadIdx.x == 0) *epoch_word = epoch;
 }
 
 bool aligned16(const void* ptr) {

@@ -5,9 +5,11 @@
 // memory: CUDA IPC / VMM mappings, e.g. torch.distributed._symmetric_memory): a flags area, then
 // room for max_tokens rows. One call per rank, the same T and H on every rank:
 //   1. block b copies its rows (b, b + grid, ...) of this rank's partial sums into its buffer;
-//   2. block b meets block b of every rank (a flag per (phase, block, source rank), set by the
-//      source with a compare-and-swap 0 -> 1 on the peer's flag and consumed by the peer with
-//      1 -> 0; system-scope fences around both);
+//   2. block b meets block b of every rank: each rank's block b counts its calls (an epoch word in
+//      its own buffer, written by it alone); it stores the call's epoch into its flag in every
+//      peer's buffer with a system-scope release store, and waits until the flag of every peer in
+//      its own buffer holds it (acquire loads). Every flag has one writer and only loads and stores
+//      cross the link, so it needs no peer-to-peer atomics (PCIe pairs often lack them);
 //   3. it reads its rows from every rank's buffer, adds them in rank order in float32 (the same
 //      order on every rank: every rank computes bit-identical outputs), rounds the sum to the
 //      activation dtype (as an all-reduce's output would be), adds the residual (rounded, stored
@@ -16,8 +18,9 @@
 //   4. block b meets block b of every rank again (no rank overwrites its buffer in the next call
 //      while a peer still reads it).
 // Launched without programmatic dependent launch: it reads the previous kernel's output and peers'
-// memory. Grid: min(T, kMaxBlocks) blocks of 256 threads, all co-resident with the peers' (one
-// block per SM at most kMaxBlocks blocks), so the barriers cannot deadlock.
+// memory. Grid: min(T, kMaxBlocks) blocks of 256 threads (two fit an SM). Every block of every
+// rank must be resident at once for the barriers to complete: true for one kernel per GPU; ranks
+// simulated as streams of one GPU (the tests) must keep world x grid within what fits.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -33,9 +36,10 @@ enum class Dtype : int { kFloat16 = 0, kBFloat16 = 1 };
 constexpr int kMaxRanks = 8;
 constexpr int kMaxBlocks = 64;
 constexpr int kMaxHidden = 16384;  // a row lives in registers: 8 x 16 B per thread at 256 threads
-// The flags area at the start of every workspace buffer: [2 phases][kMaxBlocks][kMaxRanks] uint32,
-// zero when no call is in flight (zero it once, then every call leaves it zero).
-constexpr size_t kFlagsBytes = 2 * kMaxBlocks * kMaxRanks * sizeof(uint32_t);
+// The flags area at the start of every workspace buffer: [2 phases][kMaxBlocks][kMaxRanks] uint32
+// flags (written by the source rank), then [kMaxBlocks] uint32 epochs (this rank's calls per
+// block). Zero it once, with every rank's, before the first call.
+constexpr size_t kFlagsBytes = (2 * kMaxBlocks * kMaxRanks + kMaxBlocks) * sizeof(uint32_t);
 
 struct ArNormProblem {
   const uint64_t* buffers = nullptr;  // device array [world]: each rank's workspace buffer

@@ -18,7 +18,7 @@ import torch
 from ._registry import HALF_DTYPES, check, check_dtype, export, fake, reference
 from .norm import _fused_add_rms_norm_quant_ref, _fused_add_rms_norm_ref
 
-FLAGS_BYTES = 2 * 64 * 8 * 4  # csrc/comm/allreduce_norm.h kFlagsBytes
+FLAGS_BYTES = (2 * 64 * 8 + 64) * 4  # csrc/comm/allreduce_norm.h kFlagsBytes
 MAX_RANKS = 8
 MAX_HIDDEN = 16384
 
@@ -191,21 +191,35 @@ class SymmetricWorkspace:
 
     @classmethod
     def allocate(cls, group, max_tokens: int, hidden: int, device) -> SymmetricWorkspace | None:
+        """Every rank of ``group`` calls this together; all of them get a workspace or all get None
+        (the ranks agree through an all-reduce, so none takes the kernel while a peer takes NCCL)."""
+        import torch.distributed as dist
+
+        pg = group if group is not None else dist.group.WORLD
+        assert pg is not None
+        world = dist.get_world_size(pg)
+        if not (1 < world <= MAX_RANKS and hidden % 8 == 0 and 0 < hidden <= MAX_HIDDEN):
+            return None  # outside the kernel's limits: the same answer on every rank
+        ws: SymmetricWorkspace | None = None
         try:
-            import torch.distributed as dist
             import torch.distributed._symmetric_memory as symm_mem
 
             n = cls.bytes_for(max_tokens, hidden)
             buf = symm_mem.empty(n, dtype=torch.uint8, device=device)
-            pg = group if group is not None else dist.group.WORLD
-            assert pg is not None
             handle = symm_mem.rendezvous(buf, pg)
-            buf.zero_()
+            # the tensor sits at handle.offset inside each rank's allocation (a shared pool)
+            offset = int(getattr(handle, "offset", 0))
+            ptrs = [int(p) + offset for p in handle.buffer_ptrs]
+            if ptrs[int(handle.rank)] != buf.data_ptr():
+                raise RuntimeError("symmetric buffer addresses do not match the local tensor")
+            buf.zero_()  # the flags and epochs
             torch.cuda.synchronize(device)
-            handle.barrier()
-            ptrs = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=device)
-            return cls(ptrs, int(handle.rank), n, (buf, handle))
-        except Exception as e:  # no symmetric memory here (no P2P, an old torch, CPU): the NCCL path
+            handle.barrier()  # every rank's zeros are in place ...
+            torch.cuda.synchronize(device)  # ... before any rank's first call
+            ws = cls(torch.tensor(ptrs, dtype=torch.int64, device=device), int(handle.rank), n, (buf, handle))
+        except Exception as e:  # no symmetric memory here (no P2P, an old torch): the NCCL path
             msg = f"qops: no symmetric workspace ({type(e).__name__}: {e}); using NCCL all-reduce"
             warnings.warn(msg, stacklevel=2)
-            return None
+        ok = torch.tensor([1 if ws is not None else 0], dtype=torch.int32, device=device)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=pg)
+        return ws if int(ok.item()) == 1 else None
