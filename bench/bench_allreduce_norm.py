@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 import qops
 from qops.comm import SymmetricWorkspace
+from qops.testing import require_cuda
 
 
 def graph_us(fn, calls: int, replays: int) -> float:
@@ -56,6 +57,7 @@ def main() -> int:
     p.add_argument("--replays", type=int, default=20)
     p.add_argument("--out", default="bench/out")
     a = p.parse_args()
+    require_cuda("bench.bench_allreduce_norm", "it times CUDA collectives")
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local)
     dev = torch.device("cuda", local)
