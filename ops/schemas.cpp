@@ -28,6 +28,17 @@ TORCH_LIBRARY(qops, m) {
       "fused_add_rms_norm(Tensor input, Tensor(a!) residual, Tensor weight, float epsilon, *,"
       " bool enable_pdl=True) -> Tensor");
 
+  // ---- tensor parallelism: all-reduce + residual add + RMSNorm (+ int8 quant), one kernel ---
+  // buffers: int64 [world], the device addresses of every rank's workspace buffer (symmetric
+  // memory, buffer_bytes each); the CPU reference holds world 1 only.
+  m.def(
+      "allreduce_add_rms_norm_quant(Tensor input, Tensor(a!) residual, Tensor weight,"
+      " float epsilon, Tensor? scale, Tensor buffers, int rank, int buffer_bytes)"
+      " -> (Tensor, Tensor)");
+  m.def(
+      "allreduce_add_rms_norm(Tensor input, Tensor(a!) residual, Tensor weight, float epsilon,"
+      " Tensor buffers, int rank, int buffer_bytes) -> Tensor");
+
   // ---- SiLU-and-mul + int8 quant ----------------------------------------------------------
   m.def(
       "silu_and_mul_quant(Tensor input, Tensor? scale=None, *, bool enable_pdl=True,"

@@ -351,6 +351,7 @@ def test_norm_after_collective_launches_without_pdl(monkeypatch):
     class FakeTP:
         def __init__(self, world):
             self.world_size = world
+            self.workspace = None
 
         def all_reduce(self, x):
             return x

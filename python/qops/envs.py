@@ -9,6 +9,10 @@ before ``import qops``; tests and benchmarks pass arguments instead.
     ``0`` makes ``enable_pdl=False`` the default of every op that launches with programmatic
     dependent launch (an A/B switch for a whole model, e.g. ``bench/bench_llama_decode.py``).
     Default on.
+``QOPS_TP_FUSED``
+    ``0`` keeps tensor-parallel models on ``torch.distributed.all_reduce`` + the norm instead of
+    the fused all-reduce + norm kernel (``qops.comm``; an A/B switch). Default on (where peers can
+    map each other's memory).
 ``QOPS_LLAMA_DATA``
     Folders (joined with ``os.pathsep``) of an offline bundle for ``qops.llama`` on a machine
     without the ``llama`` extra (made by ``tools/prepare_llama_device.py``).
@@ -34,6 +38,7 @@ def _flag(name: str, default: bool) -> bool:
 
 
 PDL: bool = _flag("QOPS_PDL", True)
+TP_FUSED: bool = _flag("QOPS_TP_FUSED", True)
 LLAMA_DATA: list[Path] = [Path(d) for d in os.environ.get("QOPS_LLAMA_DATA", "").split(os.pathsep) if d]
 SMOLLM2_GGUF: Path | None = Path(os.environ["QOPS_SMOLLM2_GGUF"]) if os.environ.get("QOPS_SMOLLM2_GGUF") else None
 CACHE: Path = Path(os.environ.get("QOPS_CACHE") or Path.home() / ".cache" / "qops")

@@ -48,11 +48,14 @@ import torch.nn.functional as F
 from torch import nn
 
 import qops
+from qops import envs
+from qops._registry import HALF_DTYPES
+from qops.comm import SymmetricWorkspace
 from qops.quantization import quantize_per_channel
 from qops.w4a16 import n_major, quantize_weight_int4
 
 from .config import LlamaArgs, QuantConfig
-from .layers import MLP, Act, Attention, DecoderLayer, FloatLinear, RMSNorm, Rotary, W4A16Linear, W8A8Linear
+from .layers import MLP, Act, Attention, DecoderLayer, FloatLinear, QAct, RMSNorm, Rotary, W4A16Linear, W8A8Linear
 from .model import QuantizedLlamaForCausalLM
 from .quantize import check_supported
 
@@ -71,6 +74,8 @@ class TPGroup:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"TPGroup: rank {rank} outside world size {world_size}")
         self.rank, self.world_size, self.group, self.collectives = rank, world_size, group, collectives
+        # the fused all-reduce + norm kernel's buffers (build_tp_model, CUDA with peer access)
+        self.workspace: SymmetricWorkspace | None = None
 
     @classmethod
     def from_dist(cls, group=None) -> TPGroup:
@@ -319,6 +324,18 @@ def all_reduce_add_rms_norm(
     for W8A8: ``qops.fused_add_rms_norm_quant``). Every all-reduce between decoder layers goes
     through here (``TPDecoderLayer`` looks it up at call time), so a fused all-reduce + residual +
     RMSNorm + quant kernel can replace this one function."""
+    ws = tp.workspace
+    if (
+        ws is not None
+        and tp.collectives
+        and partial.dim() == 2
+        and partial.dtype in HALF_DTYPES
+        and ws.bytes_for(partial.shape[0], partial.shape[1]) <= ws.buffer_bytes
+    ):
+        # one kernel: every rank reads its peers' partials over P2P (qops.comm)
+        if norm.quantize:
+            return QAct(*qops.allreduce_add_rms_norm_quant(partial, residual, norm.weight, norm.eps, scale, ws))
+        return qops.allreduce_add_rms_norm(partial, residual, norm.weight, norm.eps, ws)
     tp.all_reduce(partial)
     # the norm reads the all-reduce's output: launched without PDL (RMSNorm.forward says why)
     return norm(partial, residual, scale, enable_pdl=False if tp.world_size > 1 else None)
@@ -545,6 +562,7 @@ def build_tp_model(
     input_scales: dict | None = None,
     kv_scales: tuple[list[float], list[float]] | None = None,
     progress: bool = False,
+    fused_tokens: int | None = None,
 ) -> TPLlamaForCausalLM:
     """This rank's shard of the model, quantized layer by layer from ``source`` (float weights with
     Hugging Face names: a ``WeightSource`` or a state dict).
@@ -554,8 +572,15 @@ def build_tp_model(
     column-parallel, ``o`` and ``down`` row-parallel. ``input_scales`` (static activation scales,
     ``{"layers.{i}.{qkv,o,gate_up,down}": float}``) and ``kv_scales`` (static KV scales per layer)
     are replicated. Refuses (``ValueError``) a model whose heads, KV heads or intermediate size do
-    not split over the ranks, or whose per-rank GEMM shapes the kernels cannot run."""
+    not split over the ranks, or whose per-rank GEMM shapes the kernels cannot run.
+
+    On CUDA at world size > 1 the inter-layer all-reduces of up to ``fused_tokens`` tokens (default
+    256; 0, or ``QOPS_TP_FUSED=0``, turns it off) run as one fused all-reduce + residual + RMSNorm
+    (+ quant) kernel over symmetric memory (``qops.comm``), where the ranks can map each other's
+    memory; larger steps (prefill) use ``torch.distributed.all_reduce`` + the norm."""
     tp = tp or TPGroup()
+    if fused_tokens is None:
+        fused_tokens = 256 if envs.TP_FUSED else 0
     src = source if isinstance(source, WeightSource) else DictSource(source)
     world, rank = tp.world_size, tp.rank
     check_tp(args, world, qcfg)
@@ -621,6 +646,9 @@ def build_tp_model(
         name = "lm_head.weight" if "lm_head.weight" in src else "model.embed_tokens.weight"
         head = _vocab_rows(src, name, args.vocab_size, start, nrows).to(dev, dtype)
     final_norm = src.get("model.norm.weight").to(dev, dtype)
+    if dev.type == "cuda" and world > 1 and tp.collectives and tp.workspace is None and fused_tokens > 0:
+        # every rank gets here together (a collective allocation); None where peers cannot map it
+        tp.workspace = SymmetricWorkspace.allocate(tp.group, fused_tokens, args.hidden_size, dev)
     model = TPLlamaForCausalLM(la, qcfg, embed, layers, final_norm, head, rotary, dtype, tp=tp, global_args=args)
     model.kv_scales = kv_scales
     return model.eval()
