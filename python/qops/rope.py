@@ -150,9 +150,11 @@ def _rope_and_cache_int8_ref(
     is_neox: bool = True,
     enable_pdl: bool = True,
 ) -> None:
-    from .kv_cache import _reshape_and_cache_int8_ref
+    from .kv_cache import _check_write_args, _reshape_and_cache_int8_ref
 
+    # every check before anything is written
     _check_args(positions, query, key, cos, sin)
+    _check_write_args(key, value, k_cache, v_cache, k_scales, v_scales, slot_mapping)
     if positions.numel():
         lo, hi = int(positions.min()), int(positions.max())
         check(0 <= lo and hi < cos.shape[0], _OP_CACHE, f"positions must be in [0, {cos.shape[0]}), got [{lo}, {hi}]")
@@ -167,6 +169,10 @@ def _rope_and_cache_int8_ref(
 def _rope_and_cache_int8_fake(
     positions, query, key, value, cos, sin, k_cache, v_cache, k_scales, v_scales, slot_mapping, **options
 ) -> None:
+    from .kv_cache import _check_write_args
+
+    _check_args(positions, query, key, cos, sin)
+    _check_write_args(key, value, k_cache, v_cache, k_scales, v_scales, slot_mapping)
     return None
 
 
@@ -198,7 +204,8 @@ def rope_and_cache_int8(
 
     Args:
         positions: int64 ``[T]`` in ``[0, max_pos)`` (the CPU reference raises otherwise; CUDA
-            writes NaN into that token's q/k heads, and its cache rows hold zeros).
+            writes NaN into that token's q/k heads; its k cache rows hold zeros, its v rows are
+            written as usual).
         query: ``[T, H_q, D]`` float16/bfloat16, last dimension contiguous; rotated in place.
         key, value: ``[T, H_kv, D]`` in query's dtype; key rotated in place.
         cos, sin: float32 ``[max_pos, D]`` (the model's tables, with any RoPE scaling applied).

@@ -590,11 +590,13 @@ class Attention(nn.Module):
                 k_side=ks, v_side=vs, side_slots=ctx.side_slots, sinks=cache.sinks, window=cache.window,
             )  # fmt: skip
         if ks is not None:
-            # the cache write just before wrote only each sequence's new token (position
-            # seq_len - 1): the kernel may read q, the tables and the older K/V while it
-            # finishes (PDL)
+            # The kernel just before is rope_and_cache_int8 (float16/bfloat16), which also writes
+            # q: no overlapped prologue then (it reads q before its PDL wait). After the plain
+            # cache write (float32 models), which wrote only each sequence's new token (position
+            # seq_len - 1), the kernel may read q, the tables and the older K/V while it finishes.
+            overlap = q.dtype not in HALF_DTYPES
             return qops.paged_decode_attention_int8(
-                q, kc, vc, ks, vs, ctx.block_tables, ctx.seq_lens, self.sm_scale, overlap_prologue=True
+                q, kc, vc, ks, vs, ctx.block_tables, ctx.seq_lens, self.sm_scale, overlap_prologue=overlap
             )
         # float cache: gather each sequence's blocks, mask beyond its length
         bt = ctx.block_tables.long()
