@@ -3,6 +3,7 @@
 // for the same cache tensors.
 #include "common.h"
 #include "kv_cache/reshape_and_cache_int8.h"
+#include "kv_cache/rope_and_cache_int8.h"
 
 namespace qops_glue {
 
@@ -113,8 +114,98 @@ void reshape_and_cache_int8_cuda(const at::Tensor& key, const at::Tensor& value,
   check_launch(qops::kv_cache::reshape_and_cache_int8(p, c10::cuda::getCurrentCUDAStream()), op);
 }
 
+void rope_and_cache_int8_cuda(const at::Tensor& positions, at::Tensor& query, at::Tensor& key,
+                              const at::Tensor& value, const at::Tensor& cos, const at::Tensor& sin,
+                              const at::Tensor& k_cache, const at::Tensor& v_cache,
+                              const at::Tensor& k_scales, const at::Tensor& v_scales,
+                              const at::Tensor& slot_mapping, bool is_neox, bool enable_pdl) {
+  constexpr const char* op = "rope_and_cache_int8";
+  check_cuda(key, op, "key");
+  check_half(key, op, "key");
+  for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{query, "query"},
+                                std::pair<const at::Tensor&, const char*>{key, "key"},
+                                std::pair<const at::Tensor&, const char*>{value, "value"}}) {
+    QOPS_CHECK_TYPE(t.scalar_type() == key.scalar_type(), op, name, " must have key's dtype ",
+                    key.scalar_type(), ", got ", t.scalar_type());
+    QOPS_CHECK_VALUE(t.dim() == 3 && t.stride(2) == 1, op, name,
+                     " must be [T, H, D] with a contiguous last dimension, got shape ", t.sizes(),
+                     " and strides ", t.strides());
+    check_same_device(t, key, op, name);
+  }
+  const int64_t T = key.size(0), D = key.size(2);
+  QOPS_CHECK_VALUE(query.size(0) == T && query.size(2) == D, op, "query must be [T, H_q, D] = [", T,
+                   ", H_q, ", D, "], got shape ", query.sizes());
+  QOPS_CHECK_VALUE(value.sizes() == key.sizes(), op, "value must have key's shape ", key.sizes(),
+                   ", got ", value.sizes());
+  const bool is_static = check_kv_cache(k_cache, v_cache, k_scales, v_scales, op);
+  QOPS_CHECK_VALUE(key.size(1) == k_cache.size(1) && D == k_cache.size(3), op,
+                   "key's [H_kv, D] = [", key.size(1), ", ", D,
+                   "] must match k_cache's [H_kv, D] = [", k_cache.size(1), ", ", k_cache.size(3),
+                   "]");
+  QOPS_CHECK_VALUE(D % 16 == 0 && D <= 256, op,
+                   "D must be a multiple of 16 and at most 256 on CUDA, got ", D);
+  check_dtype(positions, at::kLong, op, "positions");
+  QOPS_CHECK_VALUE(positions.dim() == 1 && positions.size(0) == T, op,
+                   "positions must be int64 [T] with T = ", T, ", got shape ", positions.sizes());
+  check_contiguous(positions, op, "positions");
+  check_same_device(positions, key, op, "positions");
+  for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{cos, "cos"},
+                                std::pair<const at::Tensor&, const char*>{sin, "sin"}}) {
+    check_dtype(t, at::kFloat, op, name);
+    QOPS_CHECK_VALUE(t.dim() == 2 && t.size(1) == D && t.size(0) >= 1, op, name,
+                     " must be float32 [max_pos, D] with D = ", D, ", got shape ", t.sizes());
+    check_contiguous(t, op, name);
+    check_same_device(t, key, op, name);
+  }
+  QOPS_CHECK_VALUE(sin.sizes() == cos.sizes(), op, "sin must have cos's shape ", cos.sizes(),
+                   ", got ", sin.sizes());
+  check_dtype(slot_mapping, at::kLong, op, "slot_mapping");
+  QOPS_CHECK_VALUE(slot_mapping.dim() == 1 && slot_mapping.size(0) == T, op,
+                   "slot_mapping must be int64 [T] with T = ", T, ", got shape ",
+                   slot_mapping.sizes());
+  check_contiguous(slot_mapping, op, "slot_mapping");
+  check_same_device(slot_mapping, key, op, "slot_mapping");
+  check_same_device(k_cache, key, op, "k_cache");
+  QOPS_CHECK_VALUE(T <= INT32_MAX && k_cache.size(0) <= INT32_MAX &&
+                       query.size(1) + key.size(1) <= INT32_MAX / 2,
+                   op, "too many tokens, heads or blocks");
+
+  const c10::cuda::CUDAGuard guard(key.device());
+  qops::kv_cache::RopeCacheInt8Params p{};
+  p.positions = positions.data_ptr<int64_t>();
+  p.q = query.data_ptr();
+  p.q_ts = query.stride(0);
+  p.q_hs = query.stride(1);
+  p.k = key.data_ptr();
+  p.k_ts = key.stride(0);
+  p.k_hs = key.stride(1);
+  p.v = value.data_ptr();
+  p.v_ts = value.stride(0);
+  p.v_hs = value.stride(1);
+  p.q_heads = static_cast<int>(query.size(1));
+  p.kv_heads = static_cast<int>(key.size(1));
+  p.head_dim = static_cast<int>(D);
+  p.cos = cos.data_ptr<float>();
+  p.sin = sin.data_ptr<float>();
+  p.max_pos = cos.size(0);
+  p.neox = is_neox;
+  p.k_cache = k_cache.data_ptr<int8_t>();
+  p.v_cache = v_cache.data_ptr<int8_t>();
+  p.k_scales = k_scales.data_ptr<float>();
+  p.v_scales = v_scales.data_ptr<float>();
+  p.static_scales = is_static;
+  p.slot_mapping = slot_mapping.data_ptr<int64_t>();
+  p.num_tokens = static_cast<int>(T);
+  p.block_size = static_cast<int>(k_cache.size(2));
+  p.num_blocks = static_cast<int>(k_cache.size(0));
+  p.bf16 = key.scalar_type() == at::kBFloat16;
+  p.no_pdl = !enable_pdl;
+  check_launch(qops::kv_cache::rope_and_cache_int8(p, c10::cuda::getCurrentCUDAStream()), op);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(qops, CUDA, m) {
   m.impl("reshape_and_cache_int8", &reshape_and_cache_int8_cuda);
+  m.impl("rope_and_cache_int8", &rope_and_cache_int8_cuda);
 }

@@ -51,6 +51,13 @@ TORCH_LIBRARY(qops, m) {
       "rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor cos,"
       " Tensor sin, *, bool enable_pdl=True) -> ()");
 
+  // RoPE on q and k (in place) fused with the paged int8 K/V cache write (serving path).
+  m.def(
+      "rope_and_cache_int8(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor value,"
+      " Tensor cos, Tensor sin, Tensor(c!) k_cache, Tensor(d!) v_cache, Tensor(e!) k_scales,"
+      " Tensor(f!) v_scales, Tensor slot_mapping, *, bool is_neox=True, bool enable_pdl=True)"
+      " -> ()");
+
   // ---- int8 x int8 GEMM with dequantizing epilogue ----------------------------------------
   // gemv_shape / gemv_early: the decode GEMV's launch (qops.GemvTuning; [] / -1 = its choice).
   m.def(

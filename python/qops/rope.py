@@ -115,3 +115,117 @@ def rotary_embedding(
         enable_pdl: keyword-only; programmatic dependent launch (see :func:`qops.rms_norm_quant`).
     """
     torch.ops.qops.rotary_embedding(positions, query, key, cos, sin, enable_pdl=envs.pdl(enable_pdl))
+
+
+# ---- RoPE fused with the paged int8 cache write ---------------------------------------------------
+_OP_CACHE = "rope_and_cache_int8"
+
+
+def rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The interleaved (GPT-J) layout: pairs ``(x[2j], x[2j + 1])`` rotated by the angle of
+    ``cos[:, j]`` / ``sin[:, j]`` (``j < D / 2``; ``cos``/``sin`` ``[T, D]``), float32 products and
+    sums rounded separately, returned in ``x.dtype``."""
+    xf = x.float()
+    h = xf.shape[-1] // 2
+    c, s = cos[:, None, :h], sin[:, None, :h]
+    x0, x1 = xf[..., 0::2], xf[..., 1::2]
+    out = torch.stack((x0 * c - x1 * s, x1 * c + x0 * s), dim=-1).flatten(-2)
+    return out.to(x.dtype)
+
+
+@reference(_OP_CACHE)
+def _rope_and_cache_int8_ref(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scales: torch.Tensor,
+    v_scales: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    is_neox: bool = True,
+    enable_pdl: bool = True,
+) -> None:
+    from .kv_cache import _check_write_args, _reshape_and_cache_int8_ref
+
+    # every check before anything is written
+    _check_args(positions, query, key, cos, sin)
+    _check_write_args(key, value, k_cache, v_cache, k_scales, v_scales, slot_mapping)
+    if positions.numel():
+        lo, hi = int(positions.min()), int(positions.max())
+        check(0 <= lo and hi < cos.shape[0], _OP_CACHE, f"positions must be in [0, {cos.shape[0]}), got [{lo}, {hi}]")
+    c, s = cos[positions], sin[positions]
+    turn = rotate if is_neox else rotate_interleaved
+    query.copy_(turn(query, c, s))
+    key.copy_(turn(key, c, s))
+    _reshape_and_cache_int8_ref(key, value, k_cache, v_cache, k_scales, v_scales, slot_mapping)
+
+
+@fake(_OP_CACHE)
+def _rope_and_cache_int8_fake(
+    positions, query, key, value, cos, sin, k_cache, v_cache, k_scales, v_scales, slot_mapping, **options
+) -> None:
+    from .kv_cache import _check_write_args
+
+    _check_args(positions, query, key, cos, sin)
+    _check_write_args(key, value, k_cache, v_cache, k_scales, v_scales, slot_mapping)
+    return None
+
+
+@export
+def rope_and_cache_int8(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scales: torch.Tensor,
+    v_scales: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    is_neox: bool = True,
+    enable_pdl: bool | None = None,
+) -> None:
+    """RoPE on ``query`` and ``key`` in place, then the paged int8 write of the rotated ``key`` and
+    of ``value``, in one CUDA launch: exactly::
+
+        qops.rotary_embedding(positions, query, key, cos, sin)       # is_neox=True (rotate-half)
+        qops.reshape_and_cache_int8(key, value, k_cache, v_cache, k_scales, v_scales, slot_mapping)
+
+    (``is_neox=False``: the interleaved layout, pairs ``(x[2j], x[2j + 1])`` at the angle of
+    ``cos[p, j]``, ``sin[p, j]``, ``j < D / 2``, the same float32 steps). Bit-exact on both devices.
+
+    Args:
+        positions: int64 ``[T]`` in ``[0, max_pos)`` (the CPU reference raises otherwise; CUDA
+            writes NaN into that token's q/k heads; its k cache rows hold zeros, its v rows are
+            written as usual).
+        query: ``[T, H_q, D]`` float16/bfloat16, last dimension contiguous; rotated in place.
+        key, value: ``[T, H_kv, D]`` in query's dtype; key rotated in place.
+        cos, sin: float32 ``[max_pos, D]`` (the model's tables, with any RoPE scaling applied).
+        k_cache, v_cache, k_scales, v_scales, slot_mapping: as :func:`qops.reshape_and_cache_int8`
+            (``D`` a multiple of 16, at most 256 on CUDA).
+        is_neox: keyword-only; rotate-half (True) or interleaved pairs.
+        enable_pdl: keyword-only; programmatic dependent launch (see :func:`qops.rms_norm_quant`).
+    """
+    torch.ops.qops.rope_and_cache_int8(
+        positions,
+        query,
+        key,
+        value,
+        cos,
+        sin,
+        k_cache,
+        v_cache,
+        k_scales,
+        v_scales,
+        slot_mapping,
+        is_neox=is_neox,
+        enable_pdl=envs.pdl(enable_pdl),
+    )

@@ -54,6 +54,22 @@ class Int8PagedKVCache(PagedKVCache):
         """``reshape_and_cache_int8`` into layer ``i`` (``ctx`` is not needed)."""
         super().write(i, key, value, slot_mapping)
 
+    def rope_write(
+        self,
+        i: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """RoPE on ``q`` and ``k`` in place and the write of the rotated ``k`` and ``v`` into layer
+        ``i``: one ``qops.rope_and_cache_int8`` (float16 / bfloat16 activations)."""
+        kc, vc, ks, vs = self.layer(i)
+        qops.rope_and_cache_int8(positions, q, k, v, cos, sin, kc, vc, ks, vs, slot_mapping)
+
     def gather(self, i: int, slots: torch.Tensor, dtype: torch.dtype, ctx=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized K and V ``[T, H_kv, D]`` in ``dtype`` at ``slots`` of layer ``i``."""
         kc, vc, ks, vs = self.layer(i)

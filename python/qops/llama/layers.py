@@ -52,11 +52,11 @@ from qops.quantization import quantize_per_channel
 from qops.rope import rotate
 from qops.w4a16 import N_MULTIPLE, dequantize_weight_int4, n_major, quantize_weight_int4
 
-from .cache import Int4PagedKVCache
+from .cache import Int4PagedKVCache, Int8PagedKVCache
 from .config import LlamaArgs, QuantConfig
 
 if TYPE_CHECKING:
-    from .cache import HalfPagedKVCache, Int8PagedKVCache
+    from .cache import HalfPagedKVCache
 
 
 class QAct(NamedTuple):
@@ -558,10 +558,15 @@ class Attention(nn.Module):
         q, k = q.reshape(t, self.hq, self.d), k.reshape(t, self.hkv, self.d)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = rms_norm_float(q, self.q_norm, self.eps), rms_norm_float(k, self.k_norm, self.eps)
-        q, k = self.rotary[0].apply_(q, k, ctx.positions)
         v = v.reshape(t, self.hkv, self.d)
         cache = ctx.cache
-        cache.write(self.layer_idx, k, v, ctx.slot_mapping, ctx)
+        rot = self.rotary[0]
+        if isinstance(cache, Int8PagedKVCache) and q.dtype in HALF_DTYPES:
+            # one launch: RoPE on q and k, and the int8 write of the rotated k and of v
+            cache.rope_write(self.layer_idx, q, k, v, ctx.positions, rot.cos, rot.sin, ctx.slot_mapping)
+        else:
+            q, k = rot.apply_(q, k, ctx.positions)
+            cache.write(self.layer_idx, k, v, ctx.slot_mapping, ctx)
         if ctx.decode:
             o = self._decode(q, cache, ctx)
         elif ctx.mixed is not None:
@@ -585,11 +590,13 @@ class Attention(nn.Module):
                 k_side=ks, v_side=vs, side_slots=ctx.side_slots, sinks=cache.sinks, window=cache.window,
             )  # fmt: skip
         if ks is not None:
-            # the cache write just before wrote only each sequence's new token (position
-            # seq_len - 1): the kernel may read q, the tables and the older K/V while it
-            # finishes (PDL)
+            # The kernel just before is rope_and_cache_int8 (float16/bfloat16), which also writes
+            # q: no overlapped prologue then (it reads q before its PDL wait). After the plain
+            # cache write (float32 models), which wrote only each sequence's new token (position
+            # seq_len - 1), the kernel may read q, the tables and the older K/V while it finishes.
+            overlap = q.dtype not in HALF_DTYPES
             return qops.paged_decode_attention_int8(
-                q, kc, vc, ks, vs, ctx.block_tables, ctx.seq_lens, self.sm_scale, overlap_prologue=True
+                q, kc, vc, ks, vs, ctx.block_tables, ctx.seq_lens, self.sm_scale, overlap_prologue=overlap
             )
         # float cache: gather each sequence's blocks, mask beyond its length
         bt = ctx.block_tables.long()

@@ -1,0 +1,233 @@
+// RoPE + paged int8 cache write in one launch (rope_and_cache_int8.h). A group of LPR lanes (the
+// power of two >= D / 16) takes one (token, head) row: a q head (rotated in place), or a kv head
+// (k rotated in place, then k and v quantized into the cache). Lane l holds 8 elements of each half
+// of the row, [8 l, 8 l + 8) and [D/2 + 8 l, D/2 + 8 l + 8), so a rotate-half pair is in one lane
+// (and an interleaved pair (2i, 2i + 1) too). The rotation is the reference's arithmetic (each
+// product and the sum rounded separately, no FMA, then one rounding to T), and the cache gets the
+// rounded rotated k, so the op is bit-exact with rotary_embedding followed by
+// reshape_and_cache_int8. Every lane runs the shuffles of the row amax (q rows too, unused), so no
+// shuffle sits in a divergent branch.
+#include "kv_cache/rope_and_cache_int8.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cmath>
+#include <cstdio>
+
+#include "common/convert.cuh"  // to_float, from_float
+#include "common/launch.cuh"   // launch_kernel, pdl_wait, pdl_launch_dependents
+#include "common/quant.cuh"    // absmax_to_scale, RowQuant, quant_pack4
+
+namespace qops {
+namespace kv_cache {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kHalf = 8;  // elements per lane per half of the row
+
+template <typename T, bool kAligned>
+__device__ __forceinline__ void load8(const T* p, float (&x)[kHalf]) {
+  if constexpr (kAligned) {
+    const uint4 u = *reinterpret_cast<const uint4*>(p);
+    const T* e = reinterpret_cast<const T*>(&u);
+#pragma unroll
+    for (int i = 0; i < kHalf; ++i) x[i] = to_float(e[i]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < kHalf; ++i) x[i] = to_float(p[i]);
+  }
+}
+template <typename T, bool kAligned>
+__device__ __forceinline__ void store8(T* p, const float (&x)[kHalf]) {
+  if constexpr (kAligned) {
+    uint4 u;
+    T* e = reinterpret_cast<T*>(&u);
+#pragma unroll
+    for (int i = 0; i < kHalf; ++i) e[i] = from_float<T>(x[i]);
+    *reinterpret_cast<uint4*>(p) = u;
+  } else {
+#pragma unroll
+    for (int i = 0; i < kHalf; ++i) p[i] = from_float<T>(x[i]);
+  }
+}
+
+// a * c + b * s with each product and the sum rounded separately (the reference's float32 steps)
+__device__ __forceinline__ float rot(float a, float c, float b, float s) {
+  return __fadd_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+}
+
+template <int LPR>
+__device__ __forceinline__ float group_amax(const float (&lo)[kHalf], const float (&hi)[kHalf]) {
+  float a = 0.f;
+#pragma unroll
+  for (int i = 0; i < kHalf; ++i) a = fmaxf(a, fmaxf(fabsf(lo[i]), fabsf(hi[i])));  // NaN ignored
+#pragma unroll
+  for (int o = LPR / 2; o > 0; o >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
+  return a;
+}
+
+template <bool kStatic>
+__device__ __forceinline__ uint2 quant8(const float (&x)[kHalf], const RowQuant& qz) {
+  if (qz.fast) {
+    return make_uint2(quant_pack4<true, kStatic>(x, qz), quant_pack4<true, kStatic>(x + 4, qz));
+  }
+  return make_uint2(quant_pack4<false, true>(x, qz), quant_pack4<false, true>(x + 4, qz));
+}
+
+template <typename T, int LPR, bool kAligned, bool kStatic>
+__global__ void __launch_bounds__(kThreads) rope_cache_kernel(const RopeCacheInt8Params p) {
+  pdl_wait();  // the previous kernel (the qkv GEMM) writes q, k, v; positions and slots are inputs
+  pdl_launch_dependents();
+  const int lane = threadIdx.x % LPR;
+  const int heads = p.q_heads + p.kv_heads;
+  const int64_t row = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) / LPR;
+  const int64_t rows = static_cast<int64_t>(p.num_tokens) * heads;
+  const int h2 = p.head_dim / 2;
+  const int col = lane * kHalf;
+  const bool in_row = row < rows && col < h2;
+  int64_t t = 0;
+  int h = 0;
+  if (row < rows) {
+    t = row / heads;
+    h = static_cast<int>(row - t * heads);
+  }
+  const bool is_q = h < p.q_heads;
+  const int hk = h - p.q_heads;
+  T* x = nullptr;
+  if (row < rows) {
+    x = is_q ? static_cast<T*>(p.q) + t * p.q_ts + h * p.q_hs
+             : static_cast<T*>(p.k) + t * p.k_ts + static_cast<int64_t>(hk) * p.k_hs;
+  }
+  float lo[kHalf], hi[kHalf], vlo[kHalf], vhi[kHalf];
+#pragma unroll
+  for (int i = 0; i < kHalf; ++i) lo[i] = hi[i] = vlo[i] = vhi[i] = 0.f;
+  if (in_row) {
+    const int64_t pos = p.positions[t];
+    if (pos < 0 || pos >= p.max_pos) {
+#pragma unroll
+      for (int i = 0; i < kHalf; ++i) lo[i] = hi[i] = NAN;
+    } else {
+      load8<T, kAligned>(x + col, lo);
+      load8<T, kAligned>(x + col + h2, hi);
+      const float* cr = p.cos + pos * p.head_dim;
+      const float* sr = p.sin + pos * p.head_dim;
+      if (p.neox) {
+#pragma unroll
+        for (int i = 0; i < kHalf; ++i) {
+          const float a = lo[i], b = hi[i];
+          lo[i] = rot(a, __ldg(cr + col + i), -b, __ldg(sr + col + i));
+          hi[i] = rot(b, __ldg(cr + col + h2 + i), a, __ldg(sr + col + h2 + i));
+        }
+      } else {  // pairs (2j, 2j + 1) at angle j = element / 2, in each half's 8 elements
+#pragma unroll
+        for (int i = 0; i < kHalf; i += 2) {
+          const int jl = (col + i) / 2, jh = (col + h2 + i) / 2;
+          const float cl = __ldg(cr + jl), sl = __ldg(sr + jl);
+          const float ch = __ldg(cr + jh), sh = __ldg(sr + jh);
+          const float a0 = lo[i], a1 = lo[i + 1], b0 = hi[i], b1 = hi[i + 1];
+          lo[i] = rot(a0, cl, -a1, sl);
+          lo[i + 1] = rot(a1, cl, a0, sl);
+          hi[i] = rot(b0, ch, -b1, sh);
+          hi[i + 1] = rot(b1, ch, b0, sh);
+        }
+      }
+      // what the cache quantizes is the rotated k as stored (rounded to T)
+#pragma unroll
+      for (int i = 0; i < kHalf; ++i) {
+        lo[i] = to_float(from_float<T>(lo[i]));
+        hi[i] = to_float(from_float<T>(hi[i]));
+      }
+    }
+    store8<T, kAligned>(x + col, lo);
+    store8<T, kAligned>(x + col + h2, hi);
+    if (!is_q) {
+      const T* vp = static_cast<const T*>(p.v) + t * p.v_ts + static_cast<int64_t>(hk) * p.v_hs;
+      load8<T, kAligned>(vp + col, vlo);
+      load8<T, kAligned>(vp + col + h2, vhi);
+    }
+  }
+  // k and v rows of this group (zeros elsewhere): every lane shuffles
+  float sk, sv;
+  if constexpr (kStatic) {
+    sk = *p.k_scales;
+    sv = *p.v_scales;
+  } else {
+    sk = absmax_to_scale(group_amax<LPR>(lo, hi));
+    sv = absmax_to_scale(group_amax<LPR>(vlo, vhi));
+  }
+  if (!in_row || is_q) return;
+  const int64_t slot = p.slot_mapping[t];
+  const int64_t capacity = static_cast<int64_t>(p.num_blocks) * p.block_size;
+#if !defined(NDEBUG) || defined(QOPS_DEBUG)
+  if (lane == 0 && hk == 0 && (slot < -1 || slot >= capacity)) {
+    printf("qops.rope_and_cache_int8: slot_mapping[%lld] = %lld is outside [-1, %lld)\n",
+           static_cast<long long>(t), static_cast<long long>(slot),
+           static_cast<long long>(capacity));
+    __trap();
+  }
+#endif
+  if (slot < 0 || slot >= capacity) return;  // padding; never write out of bounds
+  const int64_t blk = slot / p.block_size, off = slot % p.block_size;
+  const int64_t sidx = (blk * p.kv_heads + hk) * p.block_size + off;
+  int8_t* kc = p.k_cache + sidx * p.head_dim;
+  int8_t* vc = p.v_cache + sidx * p.head_dim;
+  const RowQuant qk(sk), qv(sv);
+  *reinterpret_cast<uint2*>(kc + col) = quant8<kStatic>(lo, qk);
+  *reinterpret_cast<uint2*>(kc + col + h2) = quant8<kStatic>(hi, qk);
+  *reinterpret_cast<uint2*>(vc + col) = quant8<kStatic>(vlo, qv);
+  *reinterpret_cast<uint2*>(vc + col + h2) = quant8<kStatic>(vhi, qv);
+  if constexpr (!kStatic) {
+    if (lane == 0) {
+      p.k_scales[sidx] = sk;
+      p.v_scales[sidx] = sv;
+    }
+  }
+}
+
+template <typename T, int LPR>
+cudaError_t launch(const RopeCacheInt8Params& p, bool aligned, cudaStream_t stream) {
+  const int64_t rows = static_cast<int64_t>(p.num_tokens) * (p.q_heads + p.kv_heads);
+  const int64_t per_block = kThreads / LPR;
+  const int64_t blocks = (rows + per_block - 1) / per_block;
+  if (blocks > 0x7fffffffLL) return cudaErrorInvalidConfiguration;
+  auto kernel = aligned ? (p.static_scales ? rope_cache_kernel<T, LPR, true, true>
+                                           : rope_cache_kernel<T, LPR, true, false>)
+                        : (p.static_scales ? rope_cache_kernel<T, LPR, false, true>
+                                           : rope_cache_kernel<T, LPR, false, false>);
+  return launch_kernel(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), stream,
+                       !p.no_pdl, p);
+}
+
+template <typename T>
+cudaError_t dispatch(const RopeCacheInt8Params& p, bool aligned, cudaStream_t stream) {
+  const int lanes = p.head_dim / (2 * kHalf);
+  if (lanes <= 1) return launch<T, 1>(p, aligned, stream);
+  if (lanes <= 2) return launch<T, 2>(p, aligned, stream);
+  if (lanes <= 4) return launch<T, 4>(p, aligned, stream);
+  if (lanes <= 8) return launch<T, 8>(p, aligned, stream);
+  return launch<T, 16>(p, aligned, stream);
+}
+
+bool aligned16(const void* ptr, int64_t stride_t, int64_t stride_h) {
+  return reinterpret_cast<uintptr_t>(ptr) % 16 == 0 && stride_t % 8 == 0 && stride_h % 8 == 0;
+}
+
+}  // namespace
+
+cudaError_t rope_and_cache_int8(const RopeCacheInt8Params& p, cudaStream_t stream) {
+  if (p.head_dim <= 0 || p.head_dim % 16 != 0 || p.head_dim > 256 || p.q_heads < 0 ||
+      p.kv_heads <= 0 || p.block_size <= 0 || p.num_blocks <= 0 || p.num_tokens < 0 ||
+      p.max_pos <= 0) {
+    return cudaErrorInvalidValue;
+  }
+  if (p.num_tokens == 0) return cudaSuccess;
+  // 16-byte vectors: 8-element halves at 8-element offsets, and D / 2 a multiple of 8
+  const bool aligned = p.head_dim % 16 == 0 && aligned16(p.q, p.q_ts, p.q_hs) &&
+                       aligned16(p.k, p.k_ts, p.k_hs) && aligned16(p.v, p.v_ts, p.v_hs);
+  return p.bf16 ? dispatch<__nv_bfloat16>(p, aligned, stream)
+                : dispatch<__half>(p, aligned, stream);
+}
+
+}  // namespace kv_cache
+}  // namespace qops
