@@ -45,7 +45,7 @@ def _epilogue(accum, a_scale, b_scale, bias):
     return D
 
 
-def _trace(cutlass, out_dtype, scale_mode):
+def _trace(cutlass, out_dtype, scale_mode, cc=TARGET_CC):
     from cutlass_cppgen import DataType, LayoutType
 
     def t(element, shape):
@@ -59,7 +59,7 @@ def _trace(cutlass, out_dtype, scale_mode):
         "bias": t(out_dtype, (1, _N)),
         "D": t(out_dtype, (_M, _N)),
     }
-    return cutlass.epilogue.trace(_epilogue, examples, cc=TARGET_CC)
+    return cutlass.epilogue.trace(_epilogue, examples, cc=cc)
 
 
 _SCHEDULES = {  # name -> (kernel schedule, epilogue schedule); EVT needs a TMA epilogue
@@ -122,45 +122,297 @@ def _emit_kernel(cutlass, cfg: table.TileConfig, out_dtype: str, scale_mode: str
     return source, operation.procedural_name()
 
 
-_LEAVES = {"Sm90AccFetch", "Sm90ScalarBroadcast", "Sm90RowBroadcast", "Sm90ColBroadcast"}
+# The EVT node kinds of each CUTLASS generation: (namespace, tree node, {leaf or compute type: kind}).
+_EVT_DIALECTS = {
+    90: (
+        "cutlass::epilogue::fusion::",
+        "Sm90EVT",
+        {
+            "Sm90AccFetch": "acc",
+            "Sm90ScalarBroadcast": "scalar",
+            "Sm90RowBroadcast": "row",
+            "Sm90ColBroadcast": "col",
+            "Sm90Compute": "compute",
+        },
+    ),
+    # CUTLASS 2.x (sm80): the output D is a node too (an auxiliary store at the tree's root).
+    80: (
+        "cutlass::epilogue::threadblock::",
+        "Sm80EVT",
+        {
+            "VisitorAccFetch": "acc",
+            "VisitorScalarBroadcast": "scalar",
+            "VisitorRowBroadcast": "row",
+            "VisitorColBroadcast": "col",
+            "VisitorCompute": "compute",
+            "VisitorAuxStore": "store",
+        },
+    ),
+}
 
 
-def _evt_arguments(source: str, bias_type: str) -> str:
+def _evt_arguments(source: str, bias_type: str, cc: int = TARGET_CC, out_type: str = "") -> str:
     """The C++ initializer of the emitted EVT's arguments, derived from the emitted tree.
 
-    An ``Sm90EVT<Op, Children...>`` takes ``{children..., op}``; leaves are filled from the
-    launcher's ``Problem p`` by their traced names.
+    An ``Sm90EVT<Op, Children...>`` (``Sm80EVT``) takes ``{children..., op}``; leaves are filled
+    from the launcher's ``Problem p`` by their traced names (sm80: and the store ``D``, whose
+    element type is ``out_type``).
     """
+    namespace, tree, kinds = _EVT_DIALECTS[cc]
+    ns = re.escape(namespace)
     nodes = {}
-    for name, body in re.findall(r"using (\w+) = cutlass::epilogue::fusion::Sm90EVT<([^;]*)>;", source):
+    for name, body in re.findall(rf"using (\w+) = {ns}{tree}<([^;]*)>;", source):
         _op, *children = [s.strip() for s in body.split(",")]
         nodes[name] = ("evt", children)
-    for name, kind in re.findall(r"using (\w+) = cutlass::epilogue::fusion::(Sm90\w+)", source):
-        if kind in _LEAVES:
-            nodes[name] = (kind, [])
-        elif kind == "Sm90Compute":
-            nodes[name] = ("compute", [])
+    for name, kind in re.findall(rf"using (\w+) = {ns}(\w+)", source):
+        if kind in kinds:
+            nodes[name] = (kinds[kind], [])
     pointers = {"AScale": "p.a_scale", "BScale": "p.b_scale", "Bias": f"static_cast<{bias_type} const*>(p.bias)"}
+    stores = {"D": f"static_cast<{out_type}*>(p.d), {{p.ldd, {{}}, {{}}}}"}  # ptr_aux, dAux (M, N, L)
 
     def init(name: str) -> str:
         kind, children = nodes[name]
         if kind == "evt":
             return "{" + ", ".join([init(c) for c in children] + ["{}"]) + "}"
-        if kind in ("compute", "Sm90AccFetch"):
+        if kind in ("compute", "acc"):
             return "{}"
-        if kind == "Sm90ScalarBroadcast":  # {scalars[1], scalar_ptrs[1]}: read on the device
+        if kind == "scalar":  # {scalars[1], scalar_ptrs[1]}: read on the device
             return "{{}, {" + pointers[name] + "}}"
+        if kind == "store":
+            return "{" + stores[name] + "}"
         return "{" + pointers[name] + "}"  # row / column broadcast: {ptr} (nullptr reads zeros)
+
+    def init_root(name: str) -> str:
+        # sm80: the root is the tree node over the store, {child, store-args}
+        kind, children = nodes[name]
+        if cc == 80:
+            store = _op_of(source, name, namespace, tree)
+            if kind != "evt" or nodes.get(store, ("",))[0] != "store" or len(children) != 1:
+                raise RuntimeError(f"the emitted sm80 epilogue does not end in a store: {name}")
+            return "{" + init(children[0]) + ", " + init(store) + "}"
+        return init(name)
 
     roots = {n for n, (k, _) in nodes.items() if k == "evt"} - {
         c for _, (k, ch) in nodes.items() if k == "evt" for c in ch
     }
     if len(roots) != 1:
         raise RuntimeError(f"cannot find the EVT root in the emitted epilogue: {sorted(roots)}")
-    leaves = sorted(n for n, (k, _) in nodes.items() if k in _LEAVES and k != "Sm90AccFetch")
+    leaves = sorted(n for n, (k, _) in nodes.items() if k in ("scalar", "row", "col"))
     if leaves != sorted(pointers):
         raise RuntimeError(f"unexpected EVT inputs {leaves}")
-    return init(roots.pop())
+    return init_root(roots.pop())
+
+
+def _op_of(source: str, name: str, namespace: str, tree: str) -> str:
+    """The node op (first template argument) of tree node `name`."""
+    body = re.search(rf"using {name} = {re.escape(namespace)}{tree}<([^;]*)>;", source)
+    assert body is not None
+    return body.group(1).split(",")[0].strip()
+
+
+def _emit_kernel_sm80(cutlass, cfg: table.TileConfig, out_dtype: str, scale_mode: str) -> tuple[str, str]:
+    """The CUTLASS 2.x kernel definition of one arch-80 table entry (a multistage sm80 GEMM with
+    the epilogue traced for cc 80: an ``Sm80EVT`` tree), and its type name."""
+    from cutlass_cppgen import DataType, LayoutType
+
+    element_d = getattr(DataType, _DTYPES[out_dtype][0])
+    # No C operand is read (the tree has no C node, ptr_C is null), but CUTLASS 2.x's default
+    # epilogue that DefaultGemmWithVisitor derives its thread map from needs a real element type.
+    plan = cutlass.op.Gemm(
+        element_A=DataType.s8,
+        element_B=DataType.s8,
+        element_C=element_d,
+        element_D=element_d,
+        element_accumulator=DataType.s32,
+        layout_A=LayoutType.RowMajor,
+        layout_B=LayoutType.ColumnMajor,
+        layout_C=LayoutType.RowMajor,
+        cc=80,
+        kernel_cc=80,
+    )
+    plan.epilogue_visitor = _trace(cutlass, element_d, scale_mode, cc=80)
+    td = plan.tile_descriptions()[0].clone_and_update(
+        {"threadblock_shape": list(cfg.cta), "warp_count": [2, 2, 1], "stages": cfg.stages}
+    )
+    operation = plan.construct(td, alignment_A=16, alignment_B=16, alignment_C=8)
+    source = operation.rt_module.emit()
+    m, n, k = cfg.cta
+    expect = (
+        f"cutlass::gemm::GemmShape<{m}, {n}, {k}>,\n    cutlass::gemm::GemmShape<{m // 2}, {n // 2}, {k}>",
+        "cutlass::gemm::GemmShape<16, 8, 32>",  # mma.sync m16n8k32 (int8)
+        "cutlass::arch::Sm80",
+        "int8_t, cutlass::layout::RowMajor, cutlass::ComplexTransform::kNone, 16",
+        "int8_t, cutlass::layout::ColumnMajor, cutlass::ComplexTransform::kNone, 16",
+        f"{_DTYPES[out_dtype][1]}, cutlass::layout::RowMajor, 8",  # 16-byte output vectors
+        f"GemmIdentityThreadblockSwizzle<1>,\n    {cfg.stages},",
+        "cutlass::gemm::kernel::DefaultGemmWithVisitor<",
+    )
+    for e in expect:
+        if e not in source:
+            raise RuntimeError(f"{cfg.name}: emitted kernel lacks `{e}` (cutlass_cppgen changed?)")
+    return source, operation.procedural_name()
+
+
+_SM80_INCLUDES = (
+    "cutlass/cutlass.h",
+    "cutlass/numeric_types.h",
+    "cutlass/arch/arch.h",
+    "cutlass/arch/mma.h",
+    "cutlass/layout/matrix.h",
+    "cutlass/gemm/device/gemm_universal_adapter.h",
+    "cutlass/gemm/kernel/default_gemm_universal_with_visitor.h",
+    "cutlass/epilogue/threadblock/fusion/visitors.hpp",
+)
+
+_SM80_KERNEL_TEMPLATE = """\
+// Generated by cutlass_kernels/gen_w8a8.py from cutlass_kernels/w8a8_configs.py: do not edit.
+// w8a8 GEMM for sm_80 and later (CUTLASS 2.x), tile config {config}, output {out_dtype}, scales
+// {scale_mode}.
+#include <cuda_runtime_api.h>
+
+{includes}
+
+#include "gemm/w8a8_sm80.h"
+
+namespace {namespace} {{
+// ---- emitted by the CUTLASS Python interface (cutlass_cppgen) ----------------------------------
+{kernel}
+// ------------------------------------------------------------------------------------------------
+using DeviceKernel = cutlass::gemm::device::GemmUniversalAdapter<{operation}_type>;
+}}  // namespace {namespace}
+
+namespace qops {{
+namespace w8a8_sm80 {{
+namespace kernels {{
+
+// With `workspace_bytes` set: stores the workspace this problem needs (none: one CTA per output
+// tile, no split-K) and launches nothing. Neither the launch options nor the SM count apply.
+cudaError_t {function}(const Problem& p, const LaunchOptions&, int, cudaStream_t stream,
+                       size_t* workspace_bytes) {{
+  using namespace {namespace};
+  typename {root}::Arguments epilogue{evt_arguments};
+  typename DeviceKernel::Arguments args(cutlass::gemm::GemmUniversalMode::kGemm,
+                                        cutlass::gemm::GemmCoord{{p.m, p.n, p.k}}, /*batch_count=*/1,
+                                        epilogue, p.a, p.b, /*ptr_C=*/nullptr, /*ptr_D=*/nullptr,
+                                        int64_t{{0}}, int64_t{{0}}, int64_t{{0}}, int64_t{{0}},
+                                        p.lda, p.ldb, int64_t{{0}}, int64_t{{0}});
+{run_adapter}
+}}  // namespace kernels
+}}  // namespace w8a8_sm80
+}}  // namespace qops
+"""
+
+_SM80_DISPATCH_TEMPLATE = """\
+// Generated by cutlass_kernels/gen_w8a8.py from cutlass_kernels/w8a8_configs.py: do not edit.
+// Implements csrc/gemm/w8a8_sm80.h: the w8a8_sm80 family's config names, selection, kernel table.
+#include "common/device_cache.h"
+#include "gemm/w8a8_sm80.h"
+#include "w8a8_sm80_select.h"
+
+namespace qops {{
+namespace w8a8_sm80 {{
+namespace kernels {{
+{declarations}
+}}  // namespace kernels
+
+namespace {{
+
+struct Entry {{
+  int config;
+  OutDtype out_dtype;
+  ScaleMode scale_mode;
+  LaunchFn launch;
+}};
+
+constexpr const char* kConfigNames[] = {{
+{names}
+}};
+
+constexpr Entry kKernels[] = {{
+{entries}
+}};
+
+cudaError_t find_and_call(const Problem& p, int config, const LaunchOptions& options,
+                          cudaStream_t stream, size_t* workspace_bytes) {{
+  // Built as sm_80 code and compute_80 PTX: sm_8x GPUs run the former, later ones (the H100) the
+  // driver's compilation of the latter.
+  qops::DeviceProps device;
+  if (const cudaError_t err = qops::current_device_props(&device)) return err;
+  if (device.cc_major < 8) return cudaErrorNoKernelImageForDevice;
+  if (config < 0) config = select_config(p.m, p.n, p.k, device.sms);
+  for (const Entry& e : kKernels) {{
+    if (e.config == config && e.out_dtype == p.out_dtype && e.scale_mode == p.scale_mode) {{
+      return e.launch(p, options, device.sms, stream, workspace_bytes);
+    }}
+  }}
+  return cudaErrorInvalidValue;
+}}
+
+}}  // namespace
+
+int num_configs() {{ return {num_configs}; }}
+
+const char* config_name(int config) {{
+  return config >= 0 && config < num_configs() ? kConfigNames[config] : nullptr;
+}}
+
+int config_max_m(int) {{ return 0; }}
+
+int select_config(int m, int n, int k, int num_sms) {{ return select::select_config(m, n, k, num_sms); }}
+
+cudaError_t workspace_size(const Problem& p, int config, size_t* bytes) {{
+  *bytes = 0;
+  return find_and_call(p, config, LaunchOptions{{}}, nullptr, bytes);
+}}
+
+cudaError_t gemm(const Problem& p, int config, const LaunchOptions& options, cudaStream_t stream) {{
+  return find_and_call(p, config, options, stream, nullptr);
+}}
+
+}}  // namespace w8a8_sm80
+}}  // namespace qops
+"""
+
+
+def generate_sm80(cutlass) -> dict[str, str]:
+    """File name -> content of the w8a8_sm80 family's kernels and dispatch table."""
+    files: dict[str, str] = {}
+    includes = "\n".join(f'#include "{h}"' for h in _SM80_INCLUDES)
+    # CUTLASS 2.x's device adapter runs with operator()(args, workspace, stream).
+    run_adapter = _RUN_ADAPTER.replace("gemm.run(args, p.workspace, stream)", "gemm(args, p.workspace, stream)")
+    declarations, entries = [], []
+    for ci, cfg in enumerate(table.SM80_CONFIGS):
+        for out_dtype in table.OUT_DTYPES:
+            for scale_mode in table.SCALE_MODES:
+                tag = re.sub(r"\W", "_", f"{cfg.name}_{out_dtype}_{scale_mode}")
+                function = f"w8a8_{tag}"  # the config name ends in _sm80: w8a8_<...>_sm80_<dtype>_<mode>
+                kernel, operation = _emit_kernel_sm80(cutlass, cfg, out_dtype, scale_mode)
+                root = re.findall(r"using (\w+) = cutlass::epilogue::threadblock::Sm80EVT<", kernel)[-1]
+                files[f"w8a8_sm80_{tag}.cu"] = _SM80_KERNEL_TEMPLATE.format(
+                    config=cfg.name,
+                    out_dtype=out_dtype,
+                    scale_mode=scale_mode,
+                    includes=includes,
+                    namespace=f"qops_gen_{function}",
+                    kernel=kernel.strip("\n"),
+                    operation=operation,
+                    function=function,
+                    root=root,
+                    evt_arguments=_evt_arguments(kernel, _DTYPES[out_dtype][1], cc=80, out_type=_DTYPES[out_dtype][1]),
+                    run_adapter=run_adapter,
+                )
+                declarations.append(
+                    f"cudaError_t {function}(const Problem&, const LaunchOptions&, int, cudaStream_t, size_t*);"
+                )
+                entries.append(f"    {{{ci}, {_DTYPES[out_dtype][2]}, {_MODES[scale_mode]}, &kernels::{function}}},")
+    names = table.config_names(family="w8a8_sm80")
+    files["w8a8_sm80_dispatch.cu"] = _SM80_DISPATCH_TEMPLATE.format(
+        declarations="\n".join(declarations),
+        names="\n".join(f'    "{n}",' for n in names),
+        entries="\n".join(entries),
+        num_configs=len(names),
+    )
+    return files
 
 
 # The end of every generated launcher: the CUTLASS device adapter's check, workspace query and run
@@ -325,7 +577,7 @@ _SELECT_TEMPLATE = """\
 #include <initializer_list>
 
 namespace qops {{
-namespace {family}_sm90 {{
+namespace {namespace} {{
 namespace select {{
 
 // Output tile, cluster, scheduler and relative rate of each config (w8a8_configs.TileConfig).
@@ -397,7 +649,7 @@ inline int select_config(int m, int n, int k, int num_sms) {{
 }}
 
 }}  // namespace select
-}}  // namespace {family}_sm90
+}}  // namespace {namespace}
 }}  // namespace qops
 """
 
@@ -436,10 +688,20 @@ def generate_headers() -> dict[str, str]:
     table.check_table()
     return {
         "w8a8_select.h": _SELECT_TEMPLATE.format(
-            family="w8a8", selection=_selection_code(), tiles=_tiles_code(), **_tuned_code()
+            family="w8a8", namespace="w8a8_sm90", selection=_selection_code(), tiles=_tiles_code(), **_tuned_code()
+        ),
+        "w8a8_sm80_select.h": _SELECT_TEMPLATE.format(
+            family="w8a8_sm80",
+            namespace="w8a8_sm80",
+            selection=_selection_code("w8a8_sm80"),
+            tiles=_tiles_code("w8a8_sm80"),
+            tuned_sms=0,
+            tuned_picks="    {0, 0},",
+            tuned_shapes="    {0, 0, 0, 0},",
         ),
         "w4a16_select.h": _SELECT_TEMPLATE.format(
             family="w4a16",
+            namespace="w4a16_sm90",
             selection=_selection_code("w4a16"),
             tiles=_tiles_code("w4a16"),
             tuned_sms=0,
@@ -758,6 +1020,7 @@ def generate(nvcc_version: str) -> dict[str, str]:
             for scale_mode in table.SCALE_MODES:
                 entries.append(f"    {{{ci}, {_DTYPES[out_dtype][2]}, {_MODES[scale_mode]}, &{h.function}}},")
     files.update(generate_w4a16(includes))
+    files.update(generate_sm80(cutlass))
     files["w8a8_dispatch.cu"] = _DISPATCH_TEMPLATE.format(
         declarations="\n".join(declarations),
         hand_written_includes="\n".join(sorted({f'#include "{h.header}"' for h in table.HAND_WRITTEN})),

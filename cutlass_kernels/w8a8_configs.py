@@ -1,7 +1,8 @@
 """The GEMM kernel table: the one place that says which GEMMs are generated and which one an op
 picks for a problem, for each family: ``w8a8`` (int8 x int8, dequantizing epilogue,
-``qops.w8a8_gemm``) and ``w4a16`` (int4 weights with group scales x fp16/bf16 activations, the
-Hopper mixed-input GEMM of CUTLASS example 55, ``qops.w4a16_gemm``).
+``qops.w8a8_gemm``, sm_90a), ``w8a8_sm80`` (the same op on sm_80/86/89: CUTLASS 2.x kernels with
+the same traced epilogue, rows with ``arch=80``) and ``w4a16`` (int4 weights with group scales x
+fp16/bf16 activations, the Hopper mixed-input GEMM of CUTLASS example 55, ``qops.w4a16_gemm``).
 
 Pure data (no CUTLASS import), so the tests and benchmarks can read it too. ``gen_w8a8.py`` turns
 every (tile config x output dtype x scale mode) into one generated kernel, and ``SELECTION`` into
@@ -40,10 +41,17 @@ class TileConfig:
     # Relative throughput per output element when every SM is busy (from the sweep), used only to
     # choose between a rule's candidates by their wave quantization (select_config).
     rate: float = 1.0
+    # The architecture the kernel is generated for: 90 (CUTLASS 3.x, sm_90a: TMA, wgmma, clusters)
+    # or 80 (CUTLASS 2.x multistage mainloop, cp.async + mma.sync; sm_80 and later). Arch-80 rows
+    # have schedule "multistage", cluster (1, 1, 1), `stages` shared-memory stages and 2x2 warps.
+    arch: int = 90
+    stages: int = 0
 
     @property
     def name(self) -> str:
         m, n, k = self.cta
+        if self.arch == 80:
+            return f"{m}x{n}x{k}_s{self.stages}_sm80"
         cm, cn, ck = self.cluster
         return f"{m}x{n}x{k}_c{cm}x{cn}x{ck}_{self.schedule}" + ("_streamk" if self.stream_k else "")
 
@@ -75,6 +83,26 @@ CONFIGS: tuple[TileConfig, ...] = (
     TileConfig((128, 256, 128), (1, 1, 1), "cooperative", stream_k=True),
     # Prefill (large M and N): 1.3-1.55 POP/s at M >= 1024 on the Llama layers.
     TileConfig((128, 256, 128), (2, 1, 1), "cooperative"),
+)
+
+
+# ---- w8a8 on Ampere and Ada (sm_80, sm_86, sm_89): CUTLASS 2.x kernels, the same traced epilogue ---
+# The same op and contract as CONFIGS (family "w8a8_sm80", selected on GPUs of compute capability
+# 8.x, or by name with config=). 2x2 warps per CTA (warp tiles of CTA M/2 x N/2), mma.sync
+# m16n8k32 int8, a 64-byte K tile per stage; at most 64 KB of shared memory, which sm_86 and
+# sm_89 (99 KB per CTA) afford too. Not yet measured on an Ampere or Ada GPU: the rates are
+# guesses (relative MMA work per shared-memory byte), there is no tuned table.
+def _sm80(m: int, n: int, k: int, stages: int, rate: float) -> TileConfig:
+    return TileConfig((m, n, k), (1, 1, 1), "multistage", family="w8a8_sm80", rate=rate, arch=80, stages=stages)
+
+
+SM80_CONFIGS: tuple[TileConfig, ...] = (
+    # Decode and small M: 64-row tiles, twice the CTAs of 128-row ones at a given N.
+    _sm80(64, 64, 64, 4, rate=0.6),
+    # Medium M or N: half the 128x128 tile's work per CTA, more CTAs to fill the SMs.
+    _sm80(128, 64, 64, 4, rate=0.85),
+    # Prefill: CUTLASS's default int8 tile on sm_80 (warp tiles of 64x64).
+    _sm80(128, 128, 64, 4, rate=1.0),
 )
 
 
@@ -199,6 +227,14 @@ W4A16_SELECTION: tuple[Rule, ...] = (
 )
 
 
+# w8a8 on sm_80/86/89: 64-row tiles up to M = 64, then whichever tile leaves its busiest SM the
+# least work (wave_cost, with the SM count of the device: 108 on an A100). Untuned (see above).
+SM80_SELECTION: tuple[Rule, ...] = (
+    Rule("64x64x64_s4_sm80", max_m=64),
+    Rule(("128x128x64_s4_sm80", "128x64x64_s4_sm80", "64x64x64_s4_sm80")),
+)
+
+
 @dataclass(frozen=True)
 class Family:
     configs: tuple[TileConfig, ...]
@@ -239,6 +275,7 @@ def tuned_config(m: int, n: int, k: int, num_sms: int) -> str | None:
 FAMILIES: dict[str, Family] = {
     "w8a8": Family(CONFIGS, HAND_WRITTEN, SELECTION),
     "w4a16": Family(W4A16_CONFIGS, W4A16_HAND_WRITTEN, W4A16_SELECTION, transposed=True),
+    "w8a8_sm80": Family(SM80_CONFIGS, (), SM80_SELECTION),
 }
 
 
@@ -295,6 +332,10 @@ def select_config(m: int, n: int, k: int, num_sms: int = DEFAULT_SMS, *, family:
 def check_table() -> None:
     for family in FAMILIES:
         _check_family(family)
+    # qops.w8a8_gemm resolves config= over both w8a8 families: one name, one kernel
+    both = config_names() + config_names(family="w8a8_sm80")
+    assert len(set(both)) == len(both), "a config name is in both w8a8 families"
+    assert all(c.arch == 80 for c in SM80_CONFIGS) and all(c.arch == 90 for c in CONFIGS + W4A16_CONFIGS)
     for c in W4A16_CONFIGS:
         assert c.cta[2] == 64 and not c.stream_k, f"{c.name}: w4a16 tiles take K = 64 (groups of 64 and 128)"
     _check_w8a8_extras()
@@ -318,6 +359,13 @@ def _check_family(family: str) -> None:
     for h in f.hand_written:
         assert h.max_m >= 1 and h.header.endswith(".h") and "::" in h.function, h
     for c in f.configs:
+        if c.arch == 80:
+            assert c.schedule == "multistage" and c.cluster == (1, 1, 1) and not c.stream_k, c
+            assert 3 <= c.stages <= 6 and c.cta[2] == 64 and c.cta[0] % 64 == 0 and c.cta[1] % 64 == 0, c
+            # 2x2 warps; the mainloop's stages must fit the 99 KB that sm_86 / sm_89 give a CTA
+            assert (c.cta[0] + c.cta[1]) * c.cta[2] * c.stages <= 96 * 1024, f"{c.name}: shared memory"
+            continue
+        assert c.arch == 90, c
         assert c.schedule in ("ws", "pingpong", "cooperative"), c
         assert c.schedule != "cooperative" or c.cta[0] >= 128, f"{c.name}: cooperative needs CTA M >= 128"
         assert c.cta[2] % 64 == 0 and c.cluster[2] == 1, c

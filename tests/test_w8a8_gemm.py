@@ -18,7 +18,7 @@ import torch
 
 import qops
 from cutlass_kernels import w8a8_configs as table
-from qops.testing import needs_w8a8_gemm, poison_cuda_allocator
+from qops.testing import needs_w8a8_gemm, needs_w8a8_gemm_sm80, poison_cuda_allocator
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the generator runs from here
 
@@ -227,13 +227,11 @@ def test_generator_is_deterministic_and_emits_the_table(tmp_path):
     # one file per kernel of each family, their dispatch tables and the three plain-data headers
     w8a8 = len(table.CONFIGS) * len(table.OUT_DTYPES) * len(table.SCALE_MODES)
     w4a16 = len(table.W4A16_CONFIGS) * len(table.W4A16_DTYPES) * len(table.W4A16_MODES)
-    assert len(files) == w8a8 + w4a16 + 5
-    assert {"w8a8_dispatch.cu", "w8a8_select.h", "w8a8_gemv_shapes.h", "w4a16_dispatch.cu", "w4a16_select.h"} <= set(
-        files
-    )
-    assert _generate(tmp_path / "headers", "--headers-only") == {
-        n: files[n] for n in ("w8a8_select.h", "w8a8_gemv_shapes.h", "w4a16_select.h")
-    }
+    sm80 = len(table.SM80_CONFIGS) * len(table.OUT_DTYPES) * len(table.SCALE_MODES)
+    assert len(files) == w8a8 + w4a16 + sm80 + 7
+    headers = ("w8a8_select.h", "w8a8_gemv_shapes.h", "w4a16_select.h", "w8a8_sm80_select.h")
+    assert {"w8a8_dispatch.cu", "w4a16_dispatch.cu", "w8a8_sm80_dispatch.cu", *headers} <= set(files)
+    assert _generate(tmp_path / "headers", "--headers-only") == {n: files[n] for n in headers}
     for cfg in table.W4A16_CONFIGS:
         m, n, k = cfg.cta
         kernels = [t for name, t in files.items() if name.startswith(f"w4a16_{cfg.name}")]
@@ -263,6 +261,48 @@ def test_generator_is_deterministic_and_emits_the_table(tmp_path):
     assert "#include <torch" not in everything and "ATen" not in everything  # torch-free kernels
 
 
+def test_sm80_kernels_and_dispatch_are_the_table(tmp_path):
+    """The arch-80 rows (SM80_CONFIGS): one CUTLASS 2.x kernel per config x dtype x scale mode with
+    the table's tile and stages and the traced epilogue's tree, and a dispatch table whose config
+    names, order and (config, dtype, mode) -> kernel entries are the table's."""
+    pytest.importorskip("cutlass_cppgen", reason="nvidia-cutlass is not installed")
+    files = _generate(tmp_path / "gen")
+    dtypes = {"float16": ("cutlass::half_t", "kFloat16"), "bfloat16": ("cutlass::bfloat16_t", "kBFloat16")}
+    modes = {"tensor": "kPerTensor", "token_channel": "kPerTokenPerChannel"}
+    want_entries = []
+    for ci, cfg in enumerate(table.SM80_CONFIGS):
+        assert cfg.arch == 80 and cfg.family == "w8a8_sm80" and cfg.name.endswith("_sm80")
+        m, n, k = cfg.cta
+        for dtype, (element, enum) in dtypes.items():
+            for mode, mode_enum in modes.items():
+                function = f"w8a8_{cfg.name}_{dtype}_{mode}"
+                text = files[f"w8a8_sm80_{cfg.name}_{dtype}_{mode}.cu"]
+                assert f"cutlass::gemm::GemmShape<{m}, {n}, {k}>" in text
+                assert f"cutlass::gemm::GemmShape<{m // 2}, {n // 2}, {k}>" in text  # 2x2 warps
+                assert f"GemmIdentityThreadblockSwizzle<1>,\n    {cfg.stages}," in text
+                assert "cutlass::arch::Sm80" in text and "cutlass::epilogue::threadblock::Sm80EVT<" in text
+                assert "Sm90" not in text and "sm_90" not in text
+                assert ("VisitorScalarBroadcast" in text) == (mode == "tensor")
+                assert ("VisitorColBroadcast" in text) == (mode == "token_channel")
+                # the output store and the bias are in the output dtype, the scales float32
+                assert f"VisitorAuxStore<\n    OutputTileThreadMap, {element}," in text
+                assert f"static_cast<{element} const*>(p.bias)" in text and f"static_cast<{element}*>(p.d)" in text
+                assert f"cudaError_t {function}(const Problem& p" in text
+                want_entries.append((ci, enum, mode_enum, function))
+    dispatch = files["w8a8_sm80_dispatch.cu"]
+    names = re.search(r"kConfigNames\[\] = \{(.*?)\};", dispatch, re.S).group(1)
+    assert re.findall(r'"([^"]+)"', names) == table.config_names(family="w8a8_sm80")
+    assert f"int num_configs() {{ return {len(table.SM80_CONFIGS)}; }}" in dispatch
+    entries = re.findall(
+        r"\{(\d+), OutDtype::(\w+), ScaleMode::(\w+), &kernels::(\w+)\}", dispatch.split("kKernels[]")[1]
+    )
+    assert [(int(c), d, mo, f) for c, d, mo, f in entries] == want_entries
+    for *_, function in want_entries:  # declared before the table
+        assert f"cudaError_t {function}(const Problem&, const LaunchOptions&, int, cudaStream_t, size_t*);" in dispatch
+    # the sm_90a files do not change with the sm_80 rows: no sm_80 kernel in their dispatch
+    assert "sm80" not in files["w8a8_dispatch.cu"]
+
+
 def test_generated_selection_matches_the_table(tmp_path):
     """The generated C++ select_config (host-only header) picks what w8a8_configs.select_config
     picks: tuned shapes at every M bucket edge and off-table shapes, at several SM counts."""
@@ -280,14 +320,15 @@ def test_generated_selection_matches_the_table(tmp_path):
         set(table.TUNED)
         | {(4096, 4096), (576, 1536), (1280, 8192), (28672, 4096), (100, 64), (16384, 2048), (2048, 16384)}
     )
-    problems = [(m, n, k, sms) for (n, k) in shapes for m in ms for sms in (132, 114, 78)]
+    problems = [(m, n, k, sms) for (n, k) in shapes for m in ms for sms in (132, 114, 108, 78)]
     main_cc = tmp_path / "main.cc"
     main_cc.write_text(
-        '#include <cstdio>\n#include "w8a8_select.h"\n#include "w4a16_select.h"\n'
+        '#include <cstdio>\n#include "w8a8_select.h"\n#include "w4a16_select.h"\n#include "w8a8_sm80_select.h"\n'
         "int main() {\n  int m, n, k, s;\n"
         '  while (std::scanf("%d %d %d %d", &m, &n, &k, &s) == 4)\n'
-        '    std::printf("%d %d\\n", qops::w8a8_sm90::select::select_config(m, n, k, s),\n'
-        "                qops::w4a16_sm90::select::select_config(m, n, k, s));\n}\n"
+        '    std::printf("%d %d %d\\n", qops::w8a8_sm90::select::select_config(m, n, k, s),\n'
+        "                qops::w4a16_sm90::select::select_config(m, n, k, s),\n"
+        "                qops::w8a8_sm80::select::select_config(m, n, k, s));\n}\n"
     )
     exe = tmp_path / "select"
     r = subprocess.run(
@@ -305,10 +346,16 @@ def test_generated_selection_matches_the_table(tmp_path):
     )
     names = table.config_names()
     names4 = table.config_names(family="w4a16")
-    pairs = [line.split() for line in r.stdout.splitlines()]
-    got = [(names[int(a)], names4[int(b)]) for a, b in pairs]
+    names80 = table.config_names(family="w8a8_sm80")
+    triples = [line.split() for line in r.stdout.splitlines()]
+    got = [(names[int(a)], names4[int(b)], names80[int(c)]) for a, b, c in triples]
     want = [
-        (table.select_config(m, n, k, s), table.select_config(m, n, k, s, family="w4a16")) for m, n, k, s in problems
+        (
+            table.select_config(m, n, k, s),
+            table.select_config(m, n, k, s, family="w4a16"),
+            table.select_config(m, n, k, s, family="w8a8_sm80"),
+        )
+        for m, n, k, s in problems
     ]
     assert len(got) == len(problems)
     bad = [(p, g, w) for p, g, w in zip(problems, got, want) if g != w]
@@ -357,6 +404,89 @@ def test_every_generated_kernel(config, shape, dtype, mode, bias):
     per = mode == "token_channel"
     a, b, sa, sb, bz = make_inputs(m, n, k, device="cuda", per_token=per, per_channel=per, bias=bias, dtype=dtype)
     run_and_check(a, b, sa, sb, dtype, bz, config=config)
+
+
+# The sm_80 family, forced by name (on the H100 through the driver's compilation of its compute_80
+# PTX): every kernel at shapes with partial tiles in M and N, K tails of a stage (272 = 4.25 x 64),
+# many K stages, a single row and the smallest problem.
+_SM80_SHAPES = {
+    "small": (133, 208, 272),
+    "multi_k": (300, 1040, 4112),
+    "decode": (5, 1280, 8192),
+    "one_row": (1, 48, 16),
+    "tiny": (16, 16, 16),
+}
+_SM80_NAMES = [c.name for c in table.SM80_CONFIGS]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("mode", table.SCALE_MODES)
+@pytest.mark.parametrize("dtype", HALF, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("shape", list(_SM80_SHAPES.values()), ids=list(_SM80_SHAPES))
+@pytest.mark.parametrize("config", _SM80_NAMES)
+def test_every_sm80_kernel(config, shape, dtype, mode, bias):
+    needs_w8a8_gemm_sm80(config)
+    m, n, k = shape
+    per = mode == "token_channel"
+    a, b, sa, sb, bz = make_inputs(m, n, k, device="cuda", per_token=per, per_channel=per, bias=bias, dtype=dtype)
+    run_and_check(a, b, sa, sb, dtype, bz, config=config)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", _SM80_NAMES)
+def test_sm80_strided_operands_mixed_scales_and_unaligned_bias(config):
+    needs_w8a8_gemm_sm80(config)
+    a, b, sa, sb, _ = make_inputs(70, 96, 160, device="cuda")
+    wide_a = torch.randint(-128, 128, (70, 192), dtype=torch.int8, device="cuda")
+    wide_b = torch.randint(-128, 128, (96, 224), dtype=torch.int8, device="cuda")
+    bias = torch.randn(97, device="cuda").half()[1:]  # starts at an odd element: copied by the glue
+    run_and_check(wide_a[:, 16:176], wide_b[:, 32:192], sa, sb, torch.float16, bias, config=config)
+    run_and_check(a, b, sa[:1], sb, torch.float16, config=config)  # per-tensor x per-channel
+    run_and_check(a, b, sa, sb[:1], torch.bfloat16, config=config)  # per-token x per-tensor
+
+
+@pytest.mark.gpu
+def test_sm80_int8_extremes_accumulate_exactly():
+    needs_w8a8_gemm_sm80(_SM80_NAMES[0])
+    k = 131056
+    a = torch.full((2, k), -128, dtype=torch.int8, device="cuda")
+    b = torch.full((16, k), -128, dtype=torch.int8, device="cuda")
+    b[1] = 127
+    one = torch.ones(1, device="cuda")
+    for config in _SM80_NAMES:  # the saturating int8 MMA never saturates below K = 131071
+        d = qops.w8a8_gemm(a, b, one * 2.0**-20, one, torch.float16, config=config)
+        assert torch.equal(d.cpu(), qops.w8a8_gemm(a.cpu(), b.cpu(), one.cpu() * 2.0**-20, one.cpu(), torch.float16))
+
+
+@pytest.mark.gpu
+def test_sm80_cuda_graph_replay():
+    needs_w8a8_gemm_sm80(_SM80_NAMES[-1])
+    a, b, sa, sb, bias = make_inputs(200, 272, 320, device="cuda", bias=True)
+    config = _SM80_NAMES[-1]
+    want = qops.w8a8_gemm(a, b, sa, sb, torch.float16, bias, config=config)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = qops.w8a8_gemm(a, b, sa, sb, torch.float16, bias, config=config)
+    a.copy_(torch.randint(-128, 128, a.shape, dtype=torch.int8, device="cuda"))
+    g.replay()
+    torch.cuda.synchronize()
+    assert not torch.equal(out, want)
+    assert torch.equal(out, qops.w8a8_gemm(a, b, sa, sb, torch.float16, bias, config=config))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (64, 1280, 1024), (65, 6144, 4096), (1000, 4096, 11008)])
+def test_sm80_auto_on_ampere_and_ada(m, n, k):
+    """config="auto" on a GPU of compute capability 8.x takes the sm_80 family (and refuses a
+    forced sm_90a config clearly)."""
+    needs_w8a8_gemm_sm80(_SM80_NAMES[0])
+    if torch.cuda.get_device_capability()[0] != 8:
+        pytest.skip("auto takes the sm_80 family on compute capability 8.x only")
+    a, b, sa, sb, bias = make_inputs(m, n, k, device="cuda", bias=True, dtype=torch.bfloat16)
+    run_and_check(a, b, sa, sb, torch.bfloat16, bias)
+    with pytest.raises(NotImplementedError, match="runs kernels built for sm_90a"):
+        qops.w8a8_gemm(a, b, sa, sb, torch.bfloat16, config=table.CONFIGS[0].name)
 
 
 # The decode GEMV at every launch shape it has (GemvTuning.shape = rows of N per CTA, warps per

@@ -1,17 +1,51 @@
-// CUDA implementation of qops::w8a8_gemm on Hopper (sm_90a): argument checks, output allocation,
-// stream and device guard, then the generated CUTLASS kernels (and the hand-written decode GEMV)
-// behind csrc/gemm/w8a8_sm90.h (cutlass_kernels/gen_w8a8.py). No kernel math here;
-// docs/w8a8_gemm.md has the design.
+// CUDA implementation of qops::w8a8_gemm: argument checks, output allocation, stream and device
+// guard, then one of the generated CUTLASS families: sm_90a (csrc/gemm/w8a8_sm90.h, with the
+// hand-written decode GEMV) on Hopper, sm_80 (csrc/gemm/w8a8_sm80.h: CUTLASS 2.x, compute_80
+// PTX for later GPUs) on compute capability 8.x or when `config` names one of its configs. Built
+// with QOPS_HAVE_W8A8_SM90 and / or QOPS_HAVE_W8A8_SM80 (cutlass_kernels/CMakeLists.txt). No
+// kernel math here; docs/w8a8_gemm.md has the design.
 #include <string>
 
 #include "common.h"
+#include "common/device_cache.h"
 #include "gemm/w8a8_gemv.h"
 #include "gemm/w8a8_sm90.h"
+#if QOPS_HAVE_W8A8_SM80
+#include "gemm/w8a8_sm80.h"
+#endif
+
+#if !QOPS_HAVE_W8A8_SM90 && !QOPS_HAVE_W8A8_SM80
+#error "the w8a8_gemm glue needs one of the CUTLASS families (QOPS_HAVE_W8A8_SM90, _SM80)"
+#endif
 
 namespace {
 
 using namespace qops_glue;
-namespace w8a8 = qops::w8a8_sm90;
+namespace w8a8 = qops::w8a8_sm90;  // Problem, LaunchOptions: shared by both families
+
+// A generated family's API (gemm/w8a8_sm90.h, gemm/w8a8_sm80.h).
+struct Family {
+  const char* arch;  // what its kernels are built for, for messages
+  bool sm80;  // the sm_80 family: auto on compute capability 8.x; bias read in 16-byte vectors
+  int (*num_configs)();
+  const char* (*config_name)(int);
+  int (*config_max_m)(int);
+  cudaError_t (*workspace_size)(const w8a8::Problem&, int, size_t*);
+  cudaError_t (*gemm)(const w8a8::Problem&, int, const w8a8::LaunchOptions&, cudaStream_t);
+};
+
+// In config= listing order: the sm_90a family first.
+constexpr Family kFamilies[] = {
+#if QOPS_HAVE_W8A8_SM90
+    {"sm_90a (Hopper)", false, &qops::w8a8_sm90::num_configs, &qops::w8a8_sm90::config_name,
+     &qops::w8a8_sm90::config_max_m, &qops::w8a8_sm90::workspace_size, &qops::w8a8_sm90::gemm},
+#endif
+#if QOPS_HAVE_W8A8_SM80
+    {"sm_80 (Ampere and Ada; PTX for later GPUs)", true, &qops::w8a8_sm80::num_configs,
+     &qops::w8a8_sm80::config_name, &qops::w8a8_sm80::config_max_m,
+     &qops::w8a8_sm80::workspace_size, &qops::w8a8_sm80::gemm},
+#endif
+};
 
 constexpr const char* kOp = "w8a8_gemm";
 // The int32 accumulator cannot overflow: |a * b| <= 128 * 128 and K * 2^14 < 2^31.
@@ -51,16 +85,32 @@ at::Tensor checked_scale(const at::Tensor& s, int64_t len, const at::Tensor& a, 
   return flat;
 }
 
-int config_index(c10::string_view config) {
-  if (config == "auto") return -1;
+// The family and config index `config` names (-1: the family's own choice). "auto" takes the
+// sm_80 family on GPUs of compute capability 8.x and the sm_90a family elsewhere (which refuses
+// GPUs other than sm_90 with cudaErrorNoKernelImageForDevice); a config name takes its family.
+struct Choice {
+  const Family* family;
+  int config;
+};
+
+Choice choose(c10::string_view config, int cc_major) {
+  if (config == "auto") {
+    // The sm_80 family on 8.x; elsewhere the first built (sm_90a when built).
+    for (const Family& f : kFamilies) {
+      if (f.sm80 == (cc_major == 8)) return {&f, -1};
+    }
+    return {&kFamilies[0], -1};
+  }
   std::string names;
-  for (int i = 0; i < w8a8::num_configs(); ++i) {
-    if (config == w8a8::config_name(i)) return i;
-    names += std::string(i ? ", " : "") + w8a8::config_name(i);
+  for (const Family& f : kFamilies) {
+    for (int i = 0; i < f.num_configs(); ++i) {
+      if (config == f.config_name(i)) return {&f, i};
+      names += std::string(names.empty() ? "" : ", ") + f.config_name(i);
+    }
   }
   QOPS_CHECK_VALUE(false, kOp, "unknown config '", std::string(config), "'; this build has: auto, ",
                    names);
-  return -1;
+  return {nullptr, -1};
 }
 
 // The op's keyword-only launch options (qops.GemvTuning below the wrapper): gemv_shape = [] (the
@@ -121,15 +171,19 @@ at::Tensor w8a8_gemm_cuda(const at::Tensor& a, const at::Tensor& b, const at::Te
                      "], got shape ", bias->sizes());
     check_contiguous(*bias, kOp, "bias");
   }
-  const int cfg = config_index(config);
+  const c10::cuda::CUDAGuard guard(a.device());
+  qops::DeviceProps device;
+  check_launch(qops::current_device_props(&device), kOp);
+  const Choice choice = choose(config, device.cc_major);
+  const Family& family = *choice.family;
+  const int cfg = choice.config;
   const w8a8::LaunchOptions options =
       launch_options(enable_pdl, overlap_prologue, gemv_shape, gemv_early);
-  if (cfg >= 0 && w8a8::config_max_m(cfg) > 0) {
-    QOPS_CHECK_VALUE(M <= w8a8::config_max_m(cfg), kOp, "config '", std::string(config),
-                     "' serves M <= ", w8a8::config_max_m(cfg), ", got M = ", M);
+  if (cfg >= 0 && family.config_max_m(cfg) > 0) {
+    QOPS_CHECK_VALUE(M <= family.config_max_m(cfg), kOp, "config '", std::string(config),
+                     "' serves M <= ", family.config_max_m(cfg), ", got M = ", M);
   }
 
-  const c10::cuda::CUDAGuard guard(a.device());
   at::Tensor d = at::empty({M, N}, a.options().dtype(out_dtype));
   if (M == 0 || N == 0) return d;
   if (K == 0) {  // acc = 0: d = bias (or 0), no kernel needed
@@ -149,7 +203,14 @@ at::Tensor w8a8_gemm_cuda(const at::Tensor& a, const at::Tensor& b, const at::Te
   p.ldb = N > 1 ? b.stride(0) : K;
   p.a_scale = sa.data_ptr<float>();
   p.b_scale = sb.data_ptr<float>();
-  p.bias = bias.has_value() ? bias->data_ptr() : nullptr;
+  // The sm_80 kernels read the bias in 16-byte vectors: an unaligned one (a slice) is copied.
+  at::Tensor bias_copy;
+  if (bias.has_value() && family.sm80 && !aligned16(bias->data_ptr())) {
+    bias_copy = bias->clone();
+  }
+  p.bias = bias_copy.defined() ? bias_copy.data_ptr()
+           : bias.has_value()  ? bias->data_ptr()
+                               : nullptr;
   p.d = d.data_ptr();
   p.ldd = N;
   p.m = static_cast<int>(M);
@@ -160,19 +221,23 @@ at::Tensor w8a8_gemm_cuda(const at::Tensor& a, const at::Tensor& b, const at::Te
   // Stream-K configs need scratch for partial accumulators; it comes from the caching allocator
   // (inside CUDA-graph capture: the graph's pool), as vLLM does, and the kernel re-initializes it.
   size_t workspace_bytes = 0;
-  cudaError_t err = w8a8::workspace_size(p, cfg, &workspace_bytes);
+  cudaError_t err = family.workspace_size(p, cfg, &workspace_bytes);
   at::Tensor workspace;
   if (err == cudaSuccess && workspace_bytes != 0) {
     workspace = at::empty({static_cast<int64_t>(workspace_bytes)}, a.options().dtype(at::kByte));
     p.workspace = workspace.data_ptr();
     p.workspace_bytes = workspace_bytes;
   }
-  if (err == cudaSuccess) err = w8a8::gemm(p, cfg, options, current_stream());
-  TORCH_CHECK_NOT_IMPLEMENTED(err != cudaErrorNoKernelImageForDevice,
-                              format_message("qops.", kOp,
-                                             ": the CUDA kernels are built for sm_90a "
-                                             "(Hopper) only; ",
-                                             a.device(), " is another architecture"));
+  if (err == cudaSuccess) err = family.gemm(p, cfg, options, current_stream());
+  if (err == cudaErrorNoKernelImageForDevice) {
+    std::string built;
+    for (const Family& f : kFamilies) built += std::string(built.empty() ? "" : ", ") + f.arch;
+    TORCH_CHECK_NOT_IMPLEMENTED(
+        false,
+        format_message("qops.", kOp, ": config '", std::string(config), "' runs kernels built for ",
+                       family.arch, "; ", a.device(), " (compute capability ", device.cc_major, ".",
+                       device.cc_minor, ") is another architecture (this build has: ", built, ")"));
+  }
   check_launch(err, kOp);
   return d;
 }

@@ -1,7 +1,8 @@
 """int8 x int8 GEMM with a dequantizing epilogue: ``w8a8_gemm``.
 
-The CUDA kernels (Hopper, sm_90a) are CUTLASS GEMMs generated at build time through the CUTLASS
-Python interface (``cutlass_kernels/``); ``docs/w8a8_gemm.md`` describes them.
+The CUDA kernels (Hopper, sm_90a; and an sm_80 family for Ampere and Ada) are CUTLASS GEMMs
+generated at build time through the CUTLASS Python interface (``cutlass_kernels/``);
+``docs/w8a8_gemm.md`` describes them.
 """
 
 from __future__ import annotations
@@ -154,7 +155,9 @@ def w8a8_gemm(
 
     K and N must be multiples of 16 and K at most 131071 (the int32 accumulator cannot
     overflow). Returns ``[M, N]`` in ``out_dtype``. On CUDA this runs CUTLASS kernels for Hopper
-    (sm_90a), and for decode (M <= 16) a split-K GEMV that streams the weights on every SM;
+    (sm_90a), and for decode (M <= 16) a split-K GEMV that streams the weights on every SM; on
+    GPUs of compute capability 8.x (or with ``config=`` naming one, e.g. ``"128x128x64_s4_sm80"``)
+    the sm_80 CUTLASS family (``SM80_CONFIGS``);
     per-tensor x per-tensor scales and the per-token x per-channel case are separate
     kernels, and a mixed pair (one ``[1]``, one vector) broadcasts the ``[1]`` scale first.
     """

@@ -3,7 +3,7 @@
 - ``require_cuda``: the clean exit of a CUDA-only entry point on a machine without CUDA;
 - test helpers: outputs poisoned so that an unwritten element shows (``poison_``,
   ``poison_cuda_allocator``), the kernels a call launches (``cuda_kernel_names``), and the skip
-  rule of the sm_90a GEMMs (``needs_w8a8_gemm``);
+  rule of the sm_90a GEMMs (``needs_w8a8_gemm``) and of the sm_80 ones (``needs_w8a8_gemm_sm80``);
 - benchmark helpers: timing that L2 does not flatter, the copy-bandwidth ceiling, and CSV / PNG
   output.
 
@@ -71,6 +71,32 @@ def needs_w8a8_gemm() -> None:
         pytest.skip("this build has no w8a8_gemm CUDA kernel (built without sm_90a)")
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the w8a8_gemm kernels are sm_90a (Hopper) only")
+
+
+def needs_w8a8_gemm_sm80(config: str) -> None:
+    """Skip the calling test (pytest) unless the sm_80 w8a8_gemm family can run here: a CUDA device
+    of compute capability 8.0 or later and a build with the sm_80 CUTLASS kernels
+    (QOPS_ENABLE_SM80, the default), which has `config` (a name of
+    ``w8a8_configs.SM80_CONFIGS``). GPUs of compute capability 9.0 and later run them through the
+    driver's compilation of their compute_80 PTX when ``config=`` names them (the H100 tests)."""
+    import pytest
+
+    import qops
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    if not qops.has_cuda_kernel("w8a8_gemm"):
+        pytest.skip("this build has no w8a8_gemm CUDA kernel")
+    if torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("the sm_80 w8a8_gemm kernels need compute capability 8.0 or later")
+    x = torch.zeros(16, 16, dtype=torch.int8, device="cuda")
+    one = torch.ones(1, device="cuda")
+    try:
+        qops.w8a8_gemm(x, x, one, one, torch.float16, config=config)
+    except ValueError as e:
+        if "unknown config" not in str(e):
+            raise
+        pytest.skip(f"this build has no sm_80 w8a8_gemm kernels ({config}: built with QOPS_ENABLE_SM80=OFF?)")
 
 
 def cuda_kernel_names(fn: Callable[[], object], contains: str) -> list[str] | None:
