@@ -131,7 +131,8 @@ def test_cuda_bad_position_and_unaligned(device):
     wide = torch.cat((torch.zeros(t, 1, dtype=torch.bfloat16), cpu[0]), dim=1)
     outs = []
     for dev_ in ("cpu", device):
-        qkv_, pos_, kc_, vc_, ks_, vs_, slots_, cos_, sin_ = [x.to(dev_) for x in (wide, *cpu[1:])]
+        # clone: on the CPU .to() returns the same tensor, and the op writes in place
+        qkv_, pos_, kc_, vc_, ks_, vs_, slots_, cos_, sin_ = [x.clone().to(dev_) for x in (wide, *cpu[1:])]
         q_, k_, v_ = views(qkv_[:, 1:], t, hq, hk, d)
         qops.rope_and_cache_int8(pos_, q_, k_, v_, cos_, sin_, kc_, vc_, ks_, vs_, slots_)
         outs.append((qkv_.cpu(), kc_.cpu(), vc_.cpu()))
