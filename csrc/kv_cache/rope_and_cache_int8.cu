@@ -52,6 +52,25 @@ __device__ __forceinline__ void store8(T* p, const float (&x)[kHalf]) {
   }
 }
 
+// N consecutive table entries (f32): float4 loads on the aligned path (the table's rows are
+// 16-byte aligned there, and every offset used is a multiple of 4 floats), else scalar loads.
+template <bool kAligned, int N>
+__device__ __forceinline__ void load_table(const float* p, float (&x)[N]) {
+  if constexpr (kAligned) {
+#pragma unroll
+    for (int i = 0; i < N; i += 4) {
+      const float4 v = __ldg(reinterpret_cast<const float4*>(p + i));
+      x[i] = v.x;
+      x[i + 1] = v.y;
+      x[i + 2] = v.z;
+      x[i + 3] = v.w;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) x[i] = __ldg(p + i);
+  }
+}
+
 // a * c + b * s with each product and the sum rounded separately (the reference's float32 steps)
 __device__ __forceinline__ float rot(float a, float c, float b, float s) {
   return __fadd_rn(__fmul_rn(a, c), __fmul_rn(b, s));
@@ -113,23 +132,30 @@ __global__ void __launch_bounds__(kThreads) rope_cache_kernel(const RopeCacheInt
       const float* cr = p.cos + pos * p.head_dim;
       const float* sr = p.sin + pos * p.head_dim;
       if (p.neox) {
+        float cl[kHalf], sl[kHalf], ch[kHalf], sh[kHalf];
+        load_table<kAligned, kHalf>(cr + col, cl);
+        load_table<kAligned, kHalf>(sr + col, sl);
+        load_table<kAligned, kHalf>(cr + col + h2, ch);
+        load_table<kAligned, kHalf>(sr + col + h2, sh);
 #pragma unroll
         for (int i = 0; i < kHalf; ++i) {
           const float a = lo[i], b = hi[i];
-          lo[i] = rot(a, __ldg(cr + col + i), -b, __ldg(sr + col + i));
-          hi[i] = rot(b, __ldg(cr + col + h2 + i), a, __ldg(sr + col + h2 + i));
+          lo[i] = rot(a, cl[i], -b, sl[i]);
+          hi[i] = rot(b, ch[i], a, sh[i]);
         }
       } else {  // pairs (2j, 2j + 1) at angle j = element / 2, in each half's 8 elements
+        float cl[kHalf / 2], sl[kHalf / 2], ch[kHalf / 2], sh[kHalf / 2];
+        load_table<kAligned, kHalf / 2>(cr + col / 2, cl);
+        load_table<kAligned, kHalf / 2>(sr + col / 2, sl);
+        load_table<kAligned, kHalf / 2>(cr + (col + h2) / 2, ch);
+        load_table<kAligned, kHalf / 2>(sr + (col + h2) / 2, sh);
 #pragma unroll
         for (int i = 0; i < kHalf; i += 2) {
-          const int jl = (col + i) / 2, jh = (col + h2 + i) / 2;
-          const float cl = __ldg(cr + jl), sl = __ldg(sr + jl);
-          const float ch = __ldg(cr + jh), sh = __ldg(sr + jh);
           const float a0 = lo[i], a1 = lo[i + 1], b0 = hi[i], b1 = hi[i + 1];
-          lo[i] = rot(a0, cl, -a1, sl);
-          lo[i + 1] = rot(a1, cl, a0, sl);
-          hi[i] = rot(b0, ch, -b1, sh);
-          hi[i + 1] = rot(b1, ch, b0, sh);
+          lo[i] = rot(a0, cl[i / 2], -a1, sl[i / 2]);
+          lo[i + 1] = rot(a1, cl[i / 2], a0, sl[i / 2]);
+          hi[i] = rot(b0, ch[i / 2], -b1, sh[i / 2]);
+          hi[i + 1] = rot(b1, ch[i / 2], b0, sh[i / 2]);
         }
       }
       // what the cache quantizes is the rotated k as stored (rounded to T)
@@ -223,8 +249,11 @@ cudaError_t rope_and_cache_int8(const RopeCacheInt8Params& p, cudaStream_t strea
   }
   if (p.num_tokens == 0) return cudaSuccess;
   // 16-byte vectors: 8-element halves at 8-element offsets, and D / 2 a multiple of 8
+  // (the cos / sin rows: D floats each, so 16-byte aligned when the tables' starts are)
   const bool aligned = p.head_dim % 16 == 0 && aligned16(p.q, p.q_ts, p.q_hs) &&
-                       aligned16(p.k, p.k_ts, p.k_hs) && aligned16(p.v, p.v_ts, p.v_hs);
+                       aligned16(p.k, p.k_ts, p.k_hs) && aligned16(p.v, p.v_ts, p.v_hs) &&
+                       reinterpret_cast<uintptr_t>(p.cos) % 16 == 0 &&
+                       reinterpret_cast<uintptr_t>(p.sin) % 16 == 0;
   return p.bf16 ? dispatch<__nv_bfloat16>(p, aligned, stream)
                 : dispatch<__half>(p, aligned, stream);
 }
