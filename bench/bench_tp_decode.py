@@ -20,6 +20,9 @@ meaningless (ranks disagree without their collectives), its timing is the model'
 script: the times say nothing about the kernels). Without CUDA and without ``--device cpu`` it
 prints why and exits with status 2.
 
+``floor_ms`` is the rank's byte floor: its weight bytes and its KV cache at the context, read once
+at the copy bandwidth measured in the same run (``of_floor`` = floor / step).
+
 Writes ``tp_decode.csv`` (appended) and ``tp_decode.md`` (this run's rows) to ``--out``.
 """
 
@@ -40,7 +43,7 @@ from qops.llama.config import LlamaArgs
 from qops.llama.eval import format_table
 from qops.llama.parallel import RandomSource, build_tp_model, init_tp
 from qops.llama.timing import time_qops_decode
-from qops.testing import require_cuda
+from qops.testing import copy_bandwidth_gbps, require_cuda
 
 
 def _ints(s: str) -> list[int]:
@@ -71,6 +74,7 @@ def main(argv=None) -> int:
         return 2
     tp, dev = init_tp(device=a.device)
     qcfg = QuantConfig.from_label(a.variant)
+    copy_gbps = copy_bandwidth_gbps() if dev.type == "cuda" else float("nan")
     rows: list[dict] = []
     for name in a.models.split(","):
         shape = MODELS[name].hf_config()
@@ -93,6 +97,9 @@ def main(argv=None) -> int:
                     dist.all_reduce(x, op=dist.ReduceOp.MAX)  # the slowest rank's median
                 ms[comm] = float(x.item())
             tp.collectives = True
+            # the rank's byte floor: its weights and its KV cache read once at copy bandwidth
+            step_bytes = model.weight_bytes() + b * a.context * model.kv_bytes_per_token()
+            floor_ms = step_bytes / (copy_gbps * 1e9) * 1e3
             row = {
                 "model": name,
                 "variant": qcfg.label(),
@@ -105,13 +112,18 @@ def main(argv=None) -> int:
                 "comm_share": (1 - ms[False] / ms[True]) if tp.world_size > 1 else 0.0,
                 "tokens_per_s": b / ms[True] * 1e3,
                 "weight_mib_per_rank": model.weight_bytes() / 2**20,
+                "step_mib_per_rank": step_bytes / 2**20,
+                "copy_gbps": copy_gbps,
+                "floor_ms": floor_ms,
+                "of_floor": floor_ms / ms[True],
                 "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
             }
             rows.append(row)
             if tp.rank == 0:
                 print(
                     f"  batch {b:4d}: {row['step_ms']:.3f} ms/step ({row['tokens_per_s']:.0f} tok/s), "
-                    f"without collectives {row['step_ms_no_comm']:.3f} ms: collectives {row['comm_share']:.1%}",
+                    f"without collectives {row['step_ms_no_comm']:.3f} ms: collectives {row['comm_share']:.1%}; "
+                    f"byte floor {floor_ms:.3f} ms ({row['of_floor']:.2f} of it)",
                     flush=True,
                 )
         del model
@@ -136,6 +148,8 @@ def main(argv=None) -> int:
             ("step_ms_no_comm", "ms/step w/o collectives", ".3f"),
             ("comm_share", "collectives", ".1%"),
             ("tokens_per_s", "tok/s", ".0f"),
+            ("floor_ms", "byte floor ms", ".3f"),
+            ("of_floor", "floor / step", ".2f"),
         ]
         table = format_table(rows, cols)
         (out / f"tp_decode_tp{tp.world_size}.md").write_text(table + "\n")
