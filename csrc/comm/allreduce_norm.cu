@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "comm/allreduce_norm.h"
+#include "common/convert.cuh"  // to_float, from_float
 #include "common/quant.cuh"
 #include "common/reduce.cuh"
 
@@ -16,23 +17,6 @@ constexpr int kThreads = 256;
 constexpr int kVec = 8;                                     // halves per 16-byte vector
 constexpr int kMaxChunks = kMaxHidden / (kVec * kThreads);  // vectors per thread
 
-template <typename T>
-__device__ __forceinline__ float to_f(T x) {
-  if constexpr (std::is_same_v<T, __half>) {
-    return __half2float(x);
-  } else {
-    return __bfloat162float(x);
-  }
-}
-template <typename T>
-__device__ __forceinline__ T from_f(float x) {
-  if constexpr (std::is_same_v<T, __half>) {
-    return __float2half_rn(x);
-  } else {
-    return __float2bfloat16_rn(x);
-  }
-}
-
 union Vec {
   uint4 u;
   uint16_t h[kVec];
@@ -42,11 +26,11 @@ template <typename T>
 __device__ __forceinline__ float elem(const Vec& v, int i) {
   T x;
   memcpy(&x, &v.h[i], sizeof(T));
-  return to_f(x);
+  return to_float(x);
 }
 template <typename T>
 __device__ __forceinline__ void set_elem(Vec& v, int i, float f) {
-  const T x = from_f<T>(f);
+  const T x = from_float<T>(f);
   memcpy(&v.h[i], &x, sizeof(T));
 }
 
@@ -127,8 +111,8 @@ __global__ void __launch_bounds__(kThreads) allreduce_norm_kernel(const ArNormPr
       rv.u = *reinterpret_cast<const uint4*>(rrow + v * kVec);
 #pragma unroll
       for (int i = 0; i < kVec; ++i) {
-        const float xsum = to_f(from_f<T>(s[i]));   // the all-reduce's output, in T
-        set_elem<T>(rv, i, xsum + elem<T>(rv, i));  // residual <- x + residual (rounded)
+        const float xsum = to_float(from_float<T>(s[i]));  // the all-reduce's output, in T
+        set_elem<T>(rv, i, xsum + elem<T>(rv, i));         // residual <- x + residual (rounded)
         z[c][i] = elem<T>(rv, i);
         sumsq = fmaf(z[c][i], z[c][i], sumsq);
       }

@@ -16,6 +16,7 @@
 
 #include <algorithm>
 
+#include "common/convert.cuh"  // to_float, from_float
 #include "common/launch.cuh"
 #include "gemm/w4a16.h"
 
@@ -66,24 +67,6 @@ __device__ __forceinline__ uint32_t load_weight(const uint32_t* ptr) {
   uint32_t v;
   asm volatile("ld.global.nc.L1::no_allocate.b32 %0, [%1];\n" : "=r"(v) : "l"(ptr));
   return v;
-}
-
-template <typename T>
-__device__ __forceinline__ float to_float(T x) {
-  if constexpr (std::is_same_v<T, __half>) {
-    return __half2float(x);
-  } else {
-    return __bfloat162float(x);
-  }
-}
-
-template <typename T>
-__device__ __forceinline__ T from_float(float x) {
-  if constexpr (std::is_same_v<T, __half>) {
-    return __float2half_rn(x);
-  } else {
-    return __float2bfloat16_rn(x);
-  }
 }
 
 struct Params {
