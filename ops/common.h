@@ -11,6 +11,7 @@
 #include <mutex>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 // Argument checks that name the op and the argument. All raise c10::Error subclasses, which
 // Python sees as RuntimeError / ValueError / TypeError.
@@ -95,6 +96,27 @@ inline void check_half(const at::Tensor& t, const char* op, const char* name) {
 inline void check_contiguous(const at::Tensor& t, const char* op, const char* name) {
   QOPS_CHECK_VALUE(t.is_contiguous(), op, name, " must be contiguous (got strides ", t.strides(),
                    ")");
+}
+
+// RoPE's inputs: positions int64 [T], cos and sin float32 [max_pos, D], contiguous, on ref's device.
+inline void check_rope_tables(const at::Tensor& positions, const at::Tensor& cos,
+                              const at::Tensor& sin, int64_t T, int64_t D, const at::Tensor& ref,
+                              const char* op) {
+  check_dtype(positions, at::kLong, op, "positions");
+  QOPS_CHECK_VALUE(positions.dim() == 1 && positions.size(0) == T, op,
+                   "positions must be int64 [T] with T = ", T, ", got shape ", positions.sizes());
+  check_contiguous(positions, op, "positions");
+  check_same_device(positions, ref, op, "positions");
+  for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{cos, "cos"},
+                                std::pair<const at::Tensor&, const char*>{sin, "sin"}}) {
+    check_dtype(t, at::kFloat, op, name);
+    QOPS_CHECK_VALUE(t.dim() == 2 && t.size(1) == D && t.size(0) >= 1, op, name,
+                     " must be float32 [max_pos, D] with D = ", D, ", got shape ", t.sizes());
+    check_contiguous(t, op, name);
+    check_same_device(t, ref, op, name);
+  }
+  QOPS_CHECK_VALUE(sin.sizes() == cos.sizes(), op, "sin must have cos's shape ", cos.sizes(),
+                   ", got ", sin.sizes());
 }
 
 // Row stride (in elements) of `t` [..., H] seen as rows of H contiguous elements: the last dim

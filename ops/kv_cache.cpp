@@ -144,21 +144,7 @@ void rope_and_cache_int8_cuda(const at::Tensor& positions, at::Tensor& query, at
                    "]");
   QOPS_CHECK_VALUE(D % 16 == 0 && D <= 256, op,
                    "D must be a multiple of 16 and at most 256 on CUDA, got ", D);
-  check_dtype(positions, at::kLong, op, "positions");
-  QOPS_CHECK_VALUE(positions.dim() == 1 && positions.size(0) == T, op,
-                   "positions must be int64 [T] with T = ", T, ", got shape ", positions.sizes());
-  check_contiguous(positions, op, "positions");
-  check_same_device(positions, key, op, "positions");
-  for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{cos, "cos"},
-                                std::pair<const at::Tensor&, const char*>{sin, "sin"}}) {
-    check_dtype(t, at::kFloat, op, name);
-    QOPS_CHECK_VALUE(t.dim() == 2 && t.size(1) == D && t.size(0) >= 1, op, name,
-                     " must be float32 [max_pos, D] with D = ", D, ", got shape ", t.sizes());
-    check_contiguous(t, op, name);
-    check_same_device(t, key, op, name);
-  }
-  QOPS_CHECK_VALUE(sin.sizes() == cos.sizes(), op, "sin must have cos's shape ", cos.sizes(),
-                   ", got ", sin.sizes());
+  check_rope_tables(positions, cos, sin, T, D, key, op);
   check_dtype(slot_mapping, at::kLong, op, "slot_mapping");
   QOPS_CHECK_VALUE(slot_mapping.dim() == 1 && slot_mapping.size(0) == T, op,
                    "slot_mapping must be int64 [T] with T = ", T, ", got shape ",

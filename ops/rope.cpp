@@ -30,21 +30,7 @@ void rotary_embedding_cuda(const at::Tensor& positions, at::Tensor& query, at::T
   QOPS_CHECK_VALUE(key.size(0) == T && key.size(2) == D, op, "key must be [T, H_kv, D] = [", T,
                    ", H_kv, ", D, "] like query, got shape ", key.sizes());
   QOPS_CHECK_VALUE(D % 2 == 0 && D > 0, op, "head_dim must be even, got ", D);
-  check_dtype(positions, at::kLong, op, "positions");
-  QOPS_CHECK_VALUE(positions.dim() == 1 && positions.size(0) == T, op,
-                   "positions must be int64 [T] with T = ", T, ", got shape ", positions.sizes());
-  check_contiguous(positions, op, "positions");
-  check_same_device(positions, query, op, "positions");
-  for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{cos, "cos"},
-                                std::pair<const at::Tensor&, const char*>{sin, "sin"}}) {
-    check_dtype(t, at::kFloat, op, name);
-    QOPS_CHECK_VALUE(t.dim() == 2 && t.size(1) == D && t.size(0) >= 1, op, name,
-                     " must be float32 [max_pos, D] with D = ", D, ", got shape ", t.sizes());
-    check_contiguous(t, op, name);
-    check_same_device(t, query, op, name);
-  }
-  QOPS_CHECK_VALUE(sin.size(0) == cos.size(0), op, "sin must have cos's shape ", cos.sizes(),
-                   ", got ", sin.sizes());
+  check_rope_tables(positions, cos, sin, T, D, query, op);
   QOPS_CHECK_VALUE(query.size(1) + key.size(1) <= INT32_MAX / 2, op, "too many heads");
   const c10::cuda::CUDAGuard guard(query.device());
   cudaError_t err;
