@@ -248,10 +248,10 @@ cudaError_t rope_and_cache_int8(const RopeCacheInt8Params& p, cudaStream_t strea
     return cudaErrorInvalidValue;
   }
   if (p.num_tokens == 0) return cudaSuccess;
-  // 16-byte vectors: 8-element halves at 8-element offsets, and D / 2 a multiple of 8
-  // (the cos / sin rows: D floats each, so 16-byte aligned when the tables' starts are)
-  const bool aligned = p.head_dim % 16 == 0 && aligned16(p.q, p.q_ts, p.q_hs) &&
-                       aligned16(p.k, p.k_ts, p.k_hs) && aligned16(p.v, p.v_ts, p.v_hs) &&
+  // 16-byte vectors: 8-element halves at 8-element offsets (D / 2 is a multiple of 8), and the
+  // cos / sin rows (D floats each, so 16-byte aligned when the tables' starts are)
+  const bool aligned = aligned16(p.q, p.q_ts, p.q_hs) && aligned16(p.k, p.k_ts, p.k_hs) &&
+                       aligned16(p.v, p.v_ts, p.v_hs) &&
                        reinterpret_cast<uintptr_t>(p.cos) % 16 == 0 &&
                        reinterpret_cast<uintptr_t>(p.sin) % 16 == 0;
   return p.bf16 ? dispatch<__nv_bfloat16>(p, aligned, stream)
