@@ -392,7 +392,7 @@ def test_load_tokenizer_caches_per_gguf(monkeypatch, tmp_path):
     b.write_bytes(b"bb")
     monkeypatch.setattr(envs, "CACHE", tmp_path / "cache")
     monkeypatch.setattr(smollm2, "data_dir", lambda: None)
-    monkeypatch.setattr(smollm2, "gguf_path", lambda: a)
+    monkeypatch.setattr(smollm2, "gguf_path", lambda fetch=True: a)
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", from_pretrained)
     assert smollm2.load_tokenizer(path=a).source == "a.gguf"
     assert smollm2.load_tokenizer(path=b).source == "b.gguf"  # was: a's cached tokenizer

