@@ -40,6 +40,21 @@ def test_no_pybind11():
     assert "pybind11" not in readme_block("install")
 
 
+# ---- set-up in two README commands (issue 43) ------------------------------------------------------------
+def test_readme_install_is_two_commands():
+    """The README's install block (what CI runs) is at most two commands: the build requirements,
+    then qops with one extra that brings the test, demo, benchmark and compressed-tensors extras
+    (the SmolLM2 GGUF is fetched on first use, so no ``pip install --no-deps`` step)."""
+    cmds = [c for c in readme_block("install").splitlines() if c.strip() and not c.lstrip().startswith("#")]
+    assert len(cmds) <= 2, cmds
+    m = re.search(r"""-e "?\.\[([\w-]+)\]"?""", cmds[-1])
+    assert m, f"the last install command installs no extra: {cmds[-1]}"
+    if tomllib is None:
+        return
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert extras[m.group(1)] == ["qops[test,llama,bench,compressed]"], extras[m.group(1)]
+
+
 # ---- the benchmarks on a machine without CUDA --------------------------------------------------------
 # Runs each benchmark as `python -m bench.X` would (runpy, run_name="__main__"), all in one child
 # process so that torch and qops are imported once; reports each exit status and what it wrote to
