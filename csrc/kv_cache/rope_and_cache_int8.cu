@@ -1,12 +1,13 @@
 // RoPE + paged int8 cache write in one launch (rope_and_cache_int8.h). A group of LPR lanes (the
 // power of two >= D / 16) takes one (token, head) row: a q head (rotated in place), or a kv head
-// (k rotated in place, then k and v quantized into the cache). Lane l holds 8 elements of each half
-// of the row, [8 l, 8 l + 8) and [D/2 + 8 l, D/2 + 8 l + 8), so a rotate-half pair is in one lane
-// (and an interleaved pair (2i, 2i + 1) too). The rotation is the reference's arithmetic (each
-// product and the sum rounded separately, no FMA, then one rounding to T), and the cache gets the
-// rounded rotated k, so the op is bit-exact with rotary_embedding followed by
-// reshape_and_cache_int8. Every lane runs the shuffles of the row amax (q rows too, unused), so no
-// shuffle sits in a divergent branch.
+// (k rotated in place, then k and v quantized into the cache). The q rows come first, then the kv
+// rows, so that nearly every warp does one kind of work; CTAs loop over row groups (grid-stride).
+// Lane l holds 8 elements of each half of the row, [8 l, 8 l + 8) and [D/2 + 8 l, D/2 + 8 l + 8),
+// so a rotate-half pair is in one lane (and an interleaved pair (2i, 2i + 1) too). The rotation is
+// the reference's arithmetic (each product and the sum rounded separately, no FMA, then one
+// rounding to T), and the cache gets the rounded rotated k, so the op is bit-exact with
+// rotary_embedding followed by reshape_and_cache_int8. Every lane runs the shuffles of the row
+// amax (q rows too, unused), so no shuffle sits in a divergent branch.
 #include "kv_cache/rope_and_cache_int8.h"
 
 #include <cuda_bf16.h>
@@ -15,9 +16,10 @@
 #include <cmath>
 #include <cstdio>
 
-#include "common/convert.cuh"  // to_float, from_float
-#include "common/launch.cuh"   // launch_kernel, pdl_wait, pdl_launch_dependents
-#include "common/quant.cuh"    // absmax_to_scale, RowQuant, quant_pack4
+#include "common/convert.cuh"         // to_float, from_float
+#include "common/launch.cuh"          // launch_kernel, pdl_wait, pdl_launch_dependents
+#include "common/quant.cuh"           // absmax_to_scale, RowQuant, quant_pack4
+#include "quant/fused_row_quant.cuh"  // fq::device_info
 
 namespace qops {
 namespace kv_cache {
@@ -38,6 +40,26 @@ __device__ __forceinline__ void load8(const T* p, float (&x)[kHalf]) {
     for (int i = 0; i < kHalf; ++i) x[i] = to_float(p[i]);
   }
 }
+// 8 elements as loaded (one 16-byte vector), converted later
+template <typename T>
+struct Raw8 {
+  T e[kHalf];
+};
+template <typename T, bool kAligned>
+__device__ __forceinline__ void load_raw(const T* p, Raw8<T>& r) {
+  if constexpr (kAligned) {
+    *reinterpret_cast<uint4*>(r.e) = *reinterpret_cast<const uint4*>(p);
+  } else {
+#pragma unroll
+    for (int i = 0; i < kHalf; ++i) r.e[i] = p[i];
+  }
+}
+template <typename T>
+__device__ __forceinline__ void raw_to_float(const Raw8<T>& r, float (&x)[kHalf]) {
+#pragma unroll
+  for (int i = 0; i < kHalf; ++i) x[i] = to_float(r.e[i]);
+}
+
 template <typename T, bool kAligned>
 __device__ __forceinline__ void store8(T* p, const float (&x)[kHalf]) {
   if constexpr (kAligned) {
@@ -94,54 +116,67 @@ __device__ __forceinline__ uint2 quant8(const float (&x)[kHalf], const RowQuant&
   return make_uint2(quant_pack4<false, true>(x, qz), quant_pack4<false, true>(x + 4, qz));
 }
 
+// One (token, head) row for the LPR lanes of this group: rows [0, T * q_heads) are the q rows
+// (token-major), then the kv rows, so that a warp's rows are all q rows (rotation only) or all kv
+// rows (rotation, v and the cache write), except at the one boundary. Every lane of the warp calls
+// this for the same iteration (rows past the end included), so the shuffles below are convergent.
 template <typename T, int LPR, bool kAligned, bool kStatic>
-__global__ void __launch_bounds__(kThreads) rope_cache_kernel(const RopeCacheInt8Params p) {
-  pdl_wait();  // the previous kernel (the qkv GEMM) writes q, k, v; positions and slots are inputs
-  pdl_launch_dependents();
-  const int lane = threadIdx.x % LPR;
-  const int heads = p.q_heads + p.kv_heads;
-  const int64_t row = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) / LPR;
-  const int64_t rows = static_cast<int64_t>(p.num_tokens) * heads;
+__device__ __forceinline__ void rope_cache_row(const RopeCacheInt8Params& p, int64_t row,
+                                               int lane) {
+  const int64_t q_rows = static_cast<int64_t>(p.num_tokens) * p.q_heads;
+  const int64_t rows = q_rows + static_cast<int64_t>(p.num_tokens) * p.kv_heads;
   const int h2 = p.head_dim / 2;
   const int col = lane * kHalf;
   const bool in_row = row < rows && col < h2;
+  const bool is_q = row < q_rows;
   int64_t t = 0;
-  int h = 0;
-  if (row < rows) {
-    t = row / heads;
-    h = static_cast<int>(row - t * heads);
-  }
-  const bool is_q = h < p.q_heads;
-  const int hk = h - p.q_heads;
+  int hk = 0;
   T* x = nullptr;
-  if (row < rows) {
-    x = is_q ? static_cast<T*>(p.q) + t * p.q_ts + h * p.q_hs
-             : static_cast<T*>(p.k) + t * p.k_ts + static_cast<int64_t>(hk) * p.k_hs;
+  if (is_q) {
+    t = row / p.q_heads;
+    const int h = static_cast<int>(row - t * p.q_heads);
+    x = static_cast<T*>(p.q) + t * p.q_ts + h * p.q_hs;
+  } else if (row < rows) {
+    const int64_t r = row - q_rows;
+    t = r / p.kv_heads;
+    hk = static_cast<int>(r - t * p.kv_heads);
+    x = static_cast<T*>(p.k) + t * p.k_ts + static_cast<int64_t>(hk) * p.k_hs;
   }
   float lo[kHalf], hi[kHalf], vlo[kHalf], vhi[kHalf];
 #pragma unroll
   for (int i = 0; i < kHalf; ++i) lo[i] = hi[i] = vlo[i] = vhi[i] = 0.f;
+  Raw8<T> vraw[2] = {};
+  int64_t slot = -1;
   if (in_row) {
-    const int64_t pos = p.positions[t];
+    // every load that does not depend on the position first (the row's q or k halves, the v
+    // halves, the position), then the tables at the position: two memory round trips, not three
+    const int64_t pos = __ldg(p.positions + t);
+    if (!is_q) slot = __ldg(p.slot_mapping + t);
+    load8<T, kAligned>(x + col, lo);
+    load8<T, kAligned>(x + col + h2, hi);
+    if (!is_q) {  // kept as loaded (T) until the rotation is done: fewer live registers
+      const T* vp = static_cast<const T*>(p.v) + t * p.v_ts + static_cast<int64_t>(hk) * p.v_hs;
+      load_raw<T, kAligned>(vp + col, vraw[0]);
+      load_raw<T, kAligned>(vp + col + h2, vraw[1]);
+    }
     if (pos < 0 || pos >= p.max_pos) {
 #pragma unroll
       for (int i = 0; i < kHalf; ++i) lo[i] = hi[i] = NAN;
     } else {
-      load8<T, kAligned>(x + col, lo);
-      load8<T, kAligned>(x + col + h2, hi);
       const float* cr = p.cos + pos * p.head_dim;
       const float* sr = p.sin + pos * p.head_dim;
       if (p.neox) {
-        float cl[kHalf], sl[kHalf], ch[kHalf], sh[kHalf];
-        load_table<kAligned, kHalf>(cr + col, cl);
-        load_table<kAligned, kHalf>(sr + col, sl);
-        load_table<kAligned, kHalf>(cr + col + h2, ch);
-        load_table<kAligned, kHalf>(sr + col + h2, sh);
+        float c[kHalf], sn[kHalf], nh[kHalf];  // one half's tables at a time
+        load_table<kAligned, kHalf>(cr + col + h2, c);
+        load_table<kAligned, kHalf>(sr + col + h2, sn);
+#pragma unroll
+        for (int i = 0; i < kHalf; ++i) nh[i] = rot(hi[i], c[i], lo[i], sn[i]);
+        load_table<kAligned, kHalf>(cr + col, c);
+        load_table<kAligned, kHalf>(sr + col, sn);
 #pragma unroll
         for (int i = 0; i < kHalf; ++i) {
-          const float a = lo[i], b = hi[i];
-          lo[i] = rot(a, cl[i], -b, sl[i]);
-          hi[i] = rot(b, ch[i], a, sh[i]);
+          lo[i] = rot(lo[i], c[i], -hi[i], sn[i]);
+          hi[i] = nh[i];
         }
       } else {  // pairs (2j, 2j + 1) at angle j = element / 2, in each half's 8 elements
         float cl[kHalf / 2], sl[kHalf / 2], ch[kHalf / 2], sh[kHalf / 2];
@@ -168,9 +203,8 @@ __global__ void __launch_bounds__(kThreads) rope_cache_kernel(const RopeCacheInt
     store8<T, kAligned>(x + col, lo);
     store8<T, kAligned>(x + col + h2, hi);
     if (!is_q) {
-      const T* vp = static_cast<const T*>(p.v) + t * p.v_ts + static_cast<int64_t>(hk) * p.v_hs;
-      load8<T, kAligned>(vp + col, vlo);
-      load8<T, kAligned>(vp + col + h2, vhi);
+      raw_to_float(vraw[0], vlo);
+      raw_to_float(vraw[1], vhi);
     }
   }
   // k and v rows of this group (zeros elsewhere): every lane shuffles
@@ -183,7 +217,6 @@ __global__ void __launch_bounds__(kThreads) rope_cache_kernel(const RopeCacheInt
     sv = absmax_to_scale(group_amax<LPR>(vlo, vhi));
   }
   if (!in_row || is_q) return;
-  const int64_t slot = p.slot_mapping[t];
   const int64_t capacity = static_cast<int64_t>(p.num_blocks) * p.block_size;
 #if !defined(NDEBUG) || defined(QOPS_DEBUG)
   if (lane == 0 && hk == 0 && (slot < -1 || slot >= capacity)) {
@@ -211,12 +244,28 @@ __global__ void __launch_bounds__(kThreads) rope_cache_kernel(const RopeCacheInt
   }
 }
 
+// A grid-stride loop over groups of kThreads / LPR rows (a CTA-uniform trip count): at most a few
+// waves of CTAs, each over many rows (one row per CTA lifetime measured 2x slower at 16K tokens).
+template <typename T, int LPR, bool kAligned, bool kStatic>
+__global__ void __launch_bounds__(kThreads, 4) rope_cache_kernel(const RopeCacheInt8Params p) {
+  pdl_wait();  // the previous kernel (the qkv GEMM) writes q, k, v; positions and slots are inputs
+  pdl_launch_dependents();
+  constexpr int kRowsPerCta = kThreads / LPR;
+  const int64_t rows = static_cast<int64_t>(p.num_tokens) * (p.q_heads + p.kv_heads);
+  const int lane = threadIdx.x % LPR;
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * kRowsPerCta; base < rows;
+       base += static_cast<int64_t>(gridDim.x) * kRowsPerCta) {
+    rope_cache_row<T, LPR, kAligned, kStatic>(p, base + threadIdx.x / LPR, lane);
+  }
+}
+
 template <typename T, int LPR>
 cudaError_t launch(const RopeCacheInt8Params& p, bool aligned, cudaStream_t stream) {
   const int64_t rows = static_cast<int64_t>(p.num_tokens) * (p.q_heads + p.kv_heads);
   const int64_t per_block = kThreads / LPR;
-  const int64_t blocks = (rows + per_block - 1) / per_block;
-  if (blocks > 0x7fffffffLL) return cudaErrorInvalidConfiguration;
+  const int64_t cap = static_cast<int64_t>(fq::device_info().sms) * 8;  // two waves at 4 per SM
+  const int64_t needed = (rows + per_block - 1) / per_block;
+  const int64_t blocks = needed < cap ? needed : cap;
   auto kernel = aligned ? (p.static_scales ? rope_cache_kernel<T, LPR, true, true>
                                            : rope_cache_kernel<T, LPR, true, false>)
                         : (p.static_scales ? rope_cache_kernel<T, LPR, false, true>
