@@ -481,14 +481,21 @@ class MixedPlan:
 
     ``decode_rows`` (int64, token rows) are the sequences with cached context and one new token:
     they take the decode kernels with ``decode_block_tables`` / ``decode_seq_lens`` (their rows of
-    the step's tables), ``None`` when there are none. ``chunks``: for every other sequence, its
-    first token row, its ``n`` new tokens, the cache ``slots`` of its whole context (``c + n``
-    tokens, ``c`` cached before the step) and the causal ``mask [n, c + n]``."""
+    the step's tables), ``None`` when there are none. Every other sequence (a prompt chunk: ``n``
+    new tokens after ``c`` cached ones) is one row of a padded batch that all of them attend in
+    one call: ``chunk_rows [B, N]`` (its token rows, padded with its first), ``chunk_valid [B, N]``,
+    ``chunk_slots [B, C]`` (the cache slots of its whole context, ``c + n`` tokens, padded with its
+    first slot) and ``chunk_mask [B, 1, N, C]`` (query ``i`` sees context position ``p <= c + i``;
+    padded queries see position 0 only, padded positions nothing). ``chunk_rows`` is ``None`` when
+    there are no chunks."""
 
     decode_rows: torch.Tensor | None
     decode_block_tables: torch.Tensor | None
     decode_seq_lens: torch.Tensor | None
-    chunks: list
+    chunk_rows: torch.Tensor | None = None
+    chunk_valid: torch.Tensor | None = None
+    chunk_slots: torch.Tensor | None = None
+    chunk_mask: torch.Tensor | None = None
 
     @classmethod
     def build(cls, context_lens, query_lens, block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int):
@@ -500,16 +507,26 @@ class MixedPlan:
             sel = torch.tensor(dec, device=dev)
             rows = torch.tensor([starts[b] for b in dec], device=dev)
             tables, lens = block_tables[sel], seq_lens[sel]
-        bt = block_tables.long()
-        chunks = []
-        for b, (c, n) in enumerate(zip(context_lens, query_lens)):
-            if c > 0 and n == 1:
-                continue
-            pos = torch.arange(c + n, device=dev)
-            slots = bt[b, pos // block_size] * block_size + pos % block_size
-            mask = pos[None, :] <= (c + torch.arange(n, device=dev))[:, None]
-            chunks.append((starts[b], n, slots, mask))
-        return cls(rows, tables, lens, chunks)
+        chunk = [b for b, (c, n) in enumerate(zip(context_lens, query_lens)) if not (c > 0 and n == 1)]
+        if not chunk:
+            return cls(rows, tables, lens)
+        sel = torch.tensor(chunk, device=dev)
+        c = torch.tensor([context_lens[b] for b in chunk], device=dev)[:, None]
+        n = torch.tensor([query_lens[b] for b in chunk], device=dev)[:, None]
+        first = torch.tensor([starts[b] for b in chunk], device=dev)[:, None]
+        big_n = max(query_lens[b] for b in chunk)
+        big_c = max(context_lens[b] + query_lens[b] for b in chunk)
+        i = torch.arange(big_n, device=dev)[None, :]
+        valid = i < n  # [B, N]
+        chunk_rows = torch.where(valid, first + i, first)
+        pos = torch.arange(big_c, device=dev)[None, :]
+        in_ctx = pos < c + n  # [B, C]
+        bt = block_tables.long()[sel]
+        page = torch.where(in_ctx, pos, 0) // block_size
+        slots = bt.gather(1, page) * block_size + torch.where(in_ctx, pos, 0) % block_size
+        causal = pos[:, None, :] <= (c + i)[:, :, None]  # [B, N, C]
+        mask = torch.where(valid[:, :, None], causal & in_ctx[:, None, :], pos[:, None, :] == 0)
+        return cls(rows, tables, lens, chunk_rows, valid, slots, mask[:, None])
 
 
 def _sdpa_gqa(q, k, v, causal: bool, mask=None):
@@ -631,19 +648,23 @@ class Attention(nn.Module):
         """A mixed step (chunked prefill, prefill beside decode; ``ctx.mixed``). Sequences with
         cached context and one new token take the decode path (``_decode`` on those rows: the same
         kernels, hence the same values, as a decode step). Every other sequence's new queries
-        attend causally to its whole context as read back from the cache (``cache.gather``), one
-        SDPA call per sequence."""
+        attend causally to its whole context as read back from the cache (``cache.gather``), all
+        of them in one padded SDPA call (``MixedPlan.chunk_mask``)."""
         plan = ctx.mixed
         assert plan is not None
         o = torch.empty_like(q)
         if plan.decode_rows is not None:
             sub = replace(ctx, block_tables=plan.decode_block_tables, seq_lens=plan.decode_seq_lens)
             o[plan.decode_rows] = self._decode(q[plan.decode_rows], cache, sub)
-        for r0, n, slots, mask in plan.chunks:
-            k, v = cache.gather(self.layer_idx, slots, q.dtype, ctx)
-            qb = q[r0 : r0 + n].transpose(0, 1)[None]
-            ob = _sdpa_gqa(qb, k.transpose(0, 1)[None], v.transpose(0, 1)[None], causal=False, mask=mask)
-            o[r0 : r0 + n] = ob[0].transpose(0, 1)
+        if plan.chunk_rows is not None:
+            assert plan.chunk_slots is not None and plan.chunk_valid is not None
+            b, big_c = plan.chunk_slots.shape
+            k, v = cache.gather(self.layer_idx, plan.chunk_slots.reshape(-1), q.dtype, ctx)
+            kb = k.reshape(b, big_c, self.hkv, self.d).transpose(1, 2)
+            vb = v.reshape(b, big_c, self.hkv, self.d).transpose(1, 2)
+            qb = q[plan.chunk_rows].transpose(1, 2)  # [B, HQ, N, D]
+            ob = _sdpa_gqa(qb, kb, vb, causal=False, mask=plan.chunk_mask).transpose(1, 2)
+            o[plan.chunk_rows[plan.chunk_valid]] = ob[plan.chunk_valid]
         return o
 
     def _prefill_skvq(self, q, k, v, kc, vc, query_lens, sinks: int, window: int) -> torch.Tensor:
