@@ -1,10 +1,12 @@
-// CUDA implementation of qops::paged_decode_attention_int8 (torch glue only: checks, workspace,
-// split-K choice, the fused merge's counters, stream; the kernels are in csrc/attention/).
+// CUDA implementations of qops::paged_decode_attention_int8, int4_gqa_decode and
+// paged_prefill_attention_int8 (torch glue only: checks, workspace, split-K choice, the fused
+// merge's counters, stream; the kernels are in csrc/attention/).
 #include <algorithm>
 #include <string>
 #include <utility>
 
 #include "attention/paged_decode_int8.h"  // also skvq_side_decode
+#include "attention/paged_prefill_int8.h"
 #include "common/device_cache.h"
 #include "common.h"
 
@@ -20,6 +22,36 @@ int64_t check_int4_caches(const at::Tensor& k_cache, const at::Tensor& v_cache, 
 namespace {
 
 using namespace qops_glue;
+
+// The block tables and sequence lengths of B sequences of a paged cache on ref's device.
+void check_tables(const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t B,
+                  const at::Tensor& ref, const char* op) {
+  check_dtype(block_tables, at::kInt, op, "block_tables");
+  QOPS_CHECK_VALUE(
+      block_tables.dim() == 2 && block_tables.size(0) == B && block_tables.size(1) >= 1, op,
+      "block_tables must be int32 [B, max_blocks] with B = ", B, ", max_blocks >= 1, got shape ",
+      block_tables.sizes());
+  QOPS_CHECK_VALUE(block_tables.stride(1) == 1, op,
+                   "block_tables' last dimension must be contiguous (stride 1)");
+  check_same_device(block_tables, ref, op, "block_tables");
+  check_dtype(seq_lens, at::kInt, op, "seq_lens");
+  QOPS_CHECK_VALUE(seq_lens.dim() == 1 && seq_lens.size(0) == B, op,
+                   "seq_lens must be int32 [B] = [", B, "], got ", seq_lens.sizes());
+  check_contiguous(seq_lens, op, "seq_lens");
+  check_same_device(seq_lens, ref, op, "seq_lens");
+}
+
+// Optional ALiBi slopes: float32 [HQ] on ref's device.
+void check_alibi(const std::optional<at::Tensor>& alibi_slopes, int64_t HQ, const at::Tensor& ref,
+                 const char* op) {
+  if (!alibi_slopes.has_value()) return;
+  const at::Tensor& a = *alibi_slopes;
+  check_dtype(a, at::kFloat, op, "alibi_slopes");
+  QOPS_CHECK_VALUE(a.dim() == 1 && a.size(0) == HQ, op, "alibi_slopes must be float32 [HQ] = [", HQ,
+                   "], got ", a.sizes());
+  check_contiguous(a, op, "alibi_slopes");
+  check_same_device(a, ref, op, "alibi_slopes");
+}
 
 // How the splits are merged (the op's `merge` argument, qops.DecodeTuning):
 //   "auto"     the cluster merge (distributed shared memory, sm_90) where the split count fits a
@@ -141,27 +173,8 @@ at::Tensor paged_decode_attention_int8_cuda(
   QOPS_CHECK_VALUE(D == 64 || D == 128, op, "head dim D must be one of (64, 128), got ", D);
   QOPS_CHECK_VALUE(HQ > 0 && HQ % HKV == 0, op, "the number of query heads (", HQ,
                    ") must be a multiple of the number of kv heads (", HKV, ")");
-  check_dtype(block_tables, at::kInt, op, "block_tables");
-  QOPS_CHECK_VALUE(
-      block_tables.dim() == 2 && block_tables.size(0) == B && block_tables.size(1) >= 1, op,
-      "block_tables must be int32 [B, max_blocks] with B = ", B, ", max_blocks >= 1, got shape ",
-      block_tables.sizes());
-  QOPS_CHECK_VALUE(block_tables.stride(1) == 1, op,
-                   "block_tables' last dimension must be contiguous (stride 1)");
-  check_same_device(block_tables, k_cache, op, "block_tables");
-  check_dtype(seq_lens, at::kInt, op, "seq_lens");
-  QOPS_CHECK_VALUE(seq_lens.dim() == 1 && seq_lens.size(0) == B, op,
-                   "seq_lens must be int32 [B] = [", B, "], got ", seq_lens.sizes());
-  check_contiguous(seq_lens, op, "seq_lens");
-  check_same_device(seq_lens, k_cache, op, "seq_lens");
-  if (alibi_slopes.has_value()) {
-    const at::Tensor& a = *alibi_slopes;
-    check_dtype(a, at::kFloat, op, "alibi_slopes");
-    QOPS_CHECK_VALUE(a.dim() == 1 && a.size(0) == HQ, op, "alibi_slopes must be float32 [HQ] = [",
-                     HQ, "], got ", a.sizes());
-    check_contiguous(a, op, "alibi_slopes");
-    check_same_device(a, k_cache, op, "alibi_slopes");
-  }
+  check_tables(block_tables, seq_lens, B, k_cache, op);
+  check_alibi(alibi_slopes, HQ, k_cache, op);
   QOPS_CHECK_VALUE(num_splits >= 0, op, "num_splits must be >= 0 (0: heuristic), got ", num_splits);
   QOPS_CHECK_VALUE(B <= 65535, op, "at most 65535 sequences per call on CUDA, got ", B);
   const int64_t bs = k_cache.size(2), max_blocks = block_tables.size(1);
@@ -231,19 +244,7 @@ at::Tensor int4_gqa_decode_cuda(const at::Tensor& query, const at::Tensor& k_cac
   QOPS_CHECK_VALUE(HQ > 0 && HQ % HKV == 0, op, "the number of query heads (", HQ,
                    ") must be a multiple of the number of kv heads (", HKV, ")");
   check_same_device(query, k_cache, op, "query");
-  check_dtype(block_tables, at::kInt, op, "block_tables");
-  QOPS_CHECK_VALUE(
-      block_tables.dim() == 2 && block_tables.size(0) == B && block_tables.size(1) >= 1, op,
-      "block_tables must be int32 [B, max_blocks] with B = ", B, ", max_blocks >= 1, got shape ",
-      block_tables.sizes());
-  QOPS_CHECK_VALUE(block_tables.stride(1) == 1, op,
-                   "block_tables' last dimension must be contiguous (stride 1)");
-  check_dtype(seq_lens, at::kInt, op, "seq_lens");
-  QOPS_CHECK_VALUE(seq_lens.dim() == 1 && seq_lens.size(0) == B, op,
-                   "seq_lens must be int32 [B] = [", B, "], got ", seq_lens.sizes());
-  check_contiguous(seq_lens, op, "seq_lens");
-  check_same_device(block_tables, k_cache, op, "block_tables");
-  check_same_device(seq_lens, k_cache, op, "seq_lens");
+  check_tables(block_tables, seq_lens, B, k_cache, op);
   QOPS_CHECK_VALUE(sinks >= 0 && window >= 0, op, "sinks and window must be >= 0, got ", sinks,
                    " and ", window);
   const bool any_side = k_side.has_value() || v_side.has_value() || side_slots.has_value();
@@ -371,9 +372,87 @@ at::Tensor int4_gqa_decode_cuda(const at::Tensor& query, const at::Tensor& k_cac
   return out;
 }
 
+// ---- paged_prefill_attention_int8: packed queries over the paged int8 cache ---------------------
+at::Tensor paged_prefill_attention_int8_cuda(
+    const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const at::Tensor& k_scales, const at::Tensor& v_scales, const at::Tensor& block_tables,
+    const at::Tensor& seq_lens, const at::Tensor& cu_seqlens_q, int64_t max_query_len,
+    double sm_scale, const std::optional<at::Tensor>& alibi_slopes, bool enable_pdl) {
+  constexpr const char* op = "paged_prefill_attention_int8";
+  check_half(query, op, "query");
+  QOPS_CHECK_VALUE(query.dim() == 3, op, "query must be [T, HQ, D], got shape ", query.sizes());
+  QOPS_CHECK_VALUE(query.stride(2) == 1, op,
+                   "query's last dimension must be contiguous (stride 1)");
+  const bool is_static = check_kv_cache(k_cache, v_cache, k_scales, v_scales, op);
+  check_same_device(query, k_cache, op, "query");
+  const int64_t T = query.size(0), HQ = query.size(1), D = query.size(2);
+  const int64_t HKV = k_cache.size(1);
+  QOPS_CHECK_VALUE(D == k_cache.size(3), op, "query's D = ", D,
+                   " must match k_cache's D = ", k_cache.size(3));
+  QOPS_CHECK_VALUE(D == 64 || D == 128, op, "head dim D must be one of (64, 128), got ", D);
+  QOPS_CHECK_VALUE(HQ > 0 && HQ % HKV == 0, op, "the number of query heads (", HQ,
+                   ") must be a multiple of the number of kv heads (", HKV, ")");
+  const int64_t B = seq_lens.dim() == 1 ? seq_lens.size(0) : -1;
+  check_tables(block_tables, seq_lens, B, k_cache, op);
+  check_dtype(cu_seqlens_q, at::kInt, op, "cu_seqlens_q");
+  QOPS_CHECK_VALUE(cu_seqlens_q.dim() == 1 && cu_seqlens_q.size(0) == B + 1, op,
+                   "cu_seqlens_q must be int32 [B + 1] = [", B + 1, "], got ",
+                   cu_seqlens_q.sizes());
+  check_contiguous(cu_seqlens_q, op, "cu_seqlens_q");
+  check_same_device(cu_seqlens_q, k_cache, op, "cu_seqlens_q");
+  check_alibi(alibi_slopes, HQ, k_cache, op);
+  QOPS_CHECK_VALUE(max_query_len >= 0 && max_query_len <= T, op,
+                   "max_query_len must be in [0, T = ", T, "], got ", max_query_len);
+  QOPS_CHECK_VALUE(B <= 65535 && HQ <= 65535, op,
+                   "at most 65535 sequences and 65535 query heads per call on CUDA, got ", B,
+                   " and ", HQ);
+  const int64_t bs = k_cache.size(2), max_blocks = block_tables.size(1);
+  QOPS_CHECK_VALUE(max_blocks * bs <= INT32_MAX && k_cache.size(0) <= INT32_MAX && T <= INT32_MAX,
+                   op, "block_tables or query is too large");
+
+  const c10::cuda::CUDAGuard guard(query.device());
+  auto out = at::empty({T, HQ, D}, query.options());
+  if (B == 0 || T == 0 || max_query_len == 0) return out;
+  // The kernel loads 8-byte vectors of each query row.
+  at::Tensor q = query;
+  if (reinterpret_cast<uintptr_t>(q.data_ptr()) % 8 != 0 || q.stride(0) % 4 != 0 ||
+      q.stride(1) % 4 != 0) {
+    q = query.contiguous();
+  }
+  qops::attention::PagedPrefillInt8Params p{};
+  p.query = q.data_ptr();
+  p.q_stride_t = q.stride(0);
+  p.q_stride_h = q.stride(1);
+  p.k_cache = k_cache.data_ptr<int8_t>();
+  p.v_cache = v_cache.data_ptr<int8_t>();
+  p.k_scales = k_scales.data_ptr<float>();
+  p.v_scales = v_scales.data_ptr<float>();
+  p.static_scales = is_static;
+  p.block_tables = block_tables.data_ptr<int32_t>();
+  p.bt_stride = block_tables.stride(0);
+  p.seq_lens = seq_lens.data_ptr<int32_t>();
+  p.cu_seqlens_q = cu_seqlens_q.data_ptr<int32_t>();
+  p.alibi_slopes = alibi_slopes.has_value() ? alibi_slopes->data_ptr<float>() : nullptr;
+  p.out = out.data_ptr();
+  p.batch = static_cast<int>(B);
+  p.num_q_heads = static_cast<int>(HQ);
+  p.num_kv_heads = static_cast<int>(HKV);
+  p.head_dim = static_cast<int>(D);
+  p.block_size = static_cast<int>(bs);
+  p.num_blocks = static_cast<int>(k_cache.size(0));
+  p.max_blocks = static_cast<int>(max_blocks);
+  p.max_query_len = static_cast<int>(max_query_len);
+  p.sm_scale = static_cast<float>(sm_scale);
+  p.bf16 = query.scalar_type() == at::kBFloat16;
+  p.no_pdl = !enable_pdl;
+  check_launch(qops::attention::paged_prefill_attention_int8(p, c10::cuda::getCurrentCUDAStream()),
+               op);
+  return out;
+}
 }  // namespace
 
 TORCH_LIBRARY_IMPL(qops, CUDA, m) {
   m.impl("paged_decode_attention_int8", &paged_decode_attention_int8_cuda);
   m.impl("int4_gqa_decode", &int4_gqa_decode_cuda);
+  m.impl("paged_prefill_attention_int8", &paged_prefill_attention_int8_cuda);
 }

@@ -83,6 +83,14 @@ TORCH_LIBRARY(qops, m) {
       " bool overlap_prologue=False, *, bool enable_pdl=True, str merge=\"auto\","
       " int warps=0) -> Tensor");
 
+  // Prefill / chunked prefill over the paged int8 cache: packed queries (cu_seqlens_q) of
+  // sequences whose new keys and values are already in the cache.
+  m.def(
+      "paged_prefill_attention_int8(Tensor query, Tensor k_cache, Tensor v_cache,"
+      " Tensor k_scales, Tensor v_scales, Tensor block_tables, Tensor seq_lens,"
+      " Tensor cu_seqlens_q, int max_query_len, float sm_scale, Tensor? alibi_slopes=None, *,"
+      " bool enable_pdl=True) -> Tensor");
+
   // ---- int4 KV cache (seed 002 row layout) and the split-K GQA decode ---------------------
   m.def("quantize_kv_int4(Tensor kv, int num_groups, *, float clip_ratio=1.0) -> Tensor");
   m.def(
