@@ -96,6 +96,22 @@ def bench_modules() -> list[str]:
     return [*names, "bench.eval_quality"]
 
 
+def test_readme_build_settings_are_read_from_the_environment():
+    """Every build setting the README's table names as an environment variable is mapped to its
+    CMake option in pyproject.toml (scikit-build-core reads only the mapped ones: an unmapped
+    variable would be silently ignored)."""
+    text = (ROOT / "README.md").read_text()
+    table = text[text.index("Build settings (environment variables") :]
+    table = table[: table.index("\n\n", table.index("|"))]
+    names = re.findall(r"^\| `(QOPS_[A-Z0-9_]+)` \|", table, re.M)
+    assert len(names) >= 5, names
+    if tomllib is None:
+        return
+    defines = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["scikit-build"]["cmake"]["define"]
+    for name in names:
+        assert name in defines and defines[name].get("env") == name, f"{name} is not read from the environment"
+
+
 def test_benchmarks_without_cuda_exit_with_one_line(tmp_path):
     """Every benchmark (and ``python -m qops.llama --device cuda``), on a machine where torch sees no
     GPU: status 1 and one line on stderr saying it needs a CUDA device, never a traceback."""
