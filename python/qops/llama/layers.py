@@ -496,6 +496,13 @@ class MixedPlan:
     chunk_valid: torch.Tensor | None = None
     chunk_slots: torch.Tensor | None = None
     chunk_mask: torch.Tensor | None = None
+    # the same chunks packed for qops.paged_prefill_attention_int8 (int8 caches): their token rows
+    # in order, cu_seqlens, block tables, context lengths and the longest chunk
+    packed_rows: torch.Tensor | None = None
+    packed_cu: torch.Tensor | None = None
+    packed_tables: torch.Tensor | None = None
+    packed_lens: torch.Tensor | None = None
+    packed_max: int = 0
 
     @classmethod
     def build(cls, context_lens, query_lens, block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int):
@@ -526,7 +533,12 @@ class MixedPlan:
         slots = bt.gather(1, page) * block_size + torch.where(in_ctx, pos, 0) % block_size
         causal = pos[:, None, :] <= (c + i)[:, :, None]  # [B, N, C]
         mask = torch.where(valid[:, :, None], causal & in_ctx[:, None, :], pos[:, None, :] == 0)
-        return cls(rows, tables, lens, chunk_rows, valid, slots, mask[:, None])
+        packed = torch.cat([torch.arange(starts[b], starts[b] + query_lens[b]) for b in chunk]).to(dev)
+        cu = torch.tensor([0, *itertools.accumulate(query_lens[b] for b in chunk)], dtype=torch.int32, device=dev)
+        return cls(
+            rows, tables, lens, chunk_rows, valid, slots, mask[:, None],
+            packed, cu, block_tables[sel], seq_lens[sel], big_n,
+        )  # fmt: skip
 
 
 def _sdpa_gqa(q, k, v, causal: bool, mask=None):
@@ -546,8 +558,9 @@ class Attention(nn.Module):
     ``skvq_cache_write``) -> attention -> o projection. Decode:
     ``qops.paged_decode_attention_int8`` (int8 cache), ``qops.int4_gqa_decode`` (int4 cache) or
     SDPA over the gathered blocks (float cache). Prefill: causal SDPA per sequence, on the fresh
-    K/V or (``prefill_from_cache``) on the values read back from the cache (SKVQ: each query with
-    its own full-precision window, ``_prefill_skvq``).
+    K/V or (``prefill_from_cache``) on the values read back from the cache: int8 cache and half
+    activations, ``qops.paged_prefill_attention_int8`` over the cache; otherwise SDPA on
+    ``cache.gather`` (SKVQ: each query with its own full-precision window, ``_prefill_skvq``).
     """
 
     q_norm: nn.Parameter | None
@@ -590,6 +603,12 @@ class Attention(nn.Module):
             o = self._mixed(q, cache, ctx)
         elif not ctx.prefill_from_cache:
             o = self._prefill(q, k, v, ctx.query_lens)
+        elif isinstance(cache, Int8PagedKVCache) and q.dtype in HALF_DTYPES:
+            # over the int8 cache as it is, every sequence in one call (no dequantized copy)
+            kc, vc, ks, vs = cache.layer(self.layer_idx)
+            o = qops.paged_prefill_attention_int8(
+                q, kc, vc, ks, vs, ctx.block_tables, ctx.seq_lens, ctx.cu_seqlens, max(ctx.query_lens), self.sm_scale
+            )
         else:
             kc, vc = cache.gather(self.layer_idx, ctx.slot_mapping, q.dtype, ctx)
             if isinstance(cache, Int4PagedKVCache) and cache.skvq:
@@ -648,15 +667,24 @@ class Attention(nn.Module):
         """A mixed step (chunked prefill, prefill beside decode; ``ctx.mixed``). Sequences with
         cached context and one new token take the decode path (``_decode`` on those rows: the same
         kernels, hence the same values, as a decode step). Every other sequence's new queries
-        attend causally to its whole context as read back from the cache (``cache.gather``), all
-        of them in one padded SDPA call (``MixedPlan.chunk_mask``)."""
+        attend causally to its whole context as read back from the cache: with an int8 cache and
+        half activations, all of them in one ``qops.paged_prefill_attention_int8`` over the cache;
+        otherwise gathered (``cache.gather``) and attended in one padded SDPA call
+        (``MixedPlan.chunk_mask``)."""
         plan = ctx.mixed
         assert plan is not None
         o = torch.empty_like(q)
         if plan.decode_rows is not None:
             sub = replace(ctx, block_tables=plan.decode_block_tables, seq_lens=plan.decode_seq_lens)
             o[plan.decode_rows] = self._decode(q[plan.decode_rows], cache, sub)
-        if plan.chunk_rows is not None:
+        if plan.packed_rows is not None and isinstance(cache, Int8PagedKVCache) and q.dtype in HALF_DTYPES:
+            # the chunks packed, over the int8 cache as it is (no dequantized copy)
+            kc, vc, ks, vs = cache.layer(self.layer_idx)
+            o[plan.packed_rows] = qops.paged_prefill_attention_int8(
+                q[plan.packed_rows], kc, vc, ks, vs, plan.packed_tables, plan.packed_lens, plan.packed_cu,
+                plan.packed_max, self.sm_scale,
+            )  # fmt: skip
+        elif plan.chunk_rows is not None:
             assert plan.chunk_slots is not None and plan.chunk_valid is not None
             b, big_c = plan.chunk_slots.shape
             k, v = cache.gather(self.layer_idx, plan.chunk_slots.reshape(-1), q.dtype, ctx)
