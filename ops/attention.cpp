@@ -189,7 +189,7 @@ at::Tensor paged_decode_attention_int8_cuda(
   at::Tensor q = query;
   const bool q_aligned = reinterpret_cast<uintptr_t>(q.data_ptr()) % 16 == 0 &&
                          q.stride(0) % 8 == 0 && q.stride(1) % 8 == 0;
-  if (!q_aligned) q = query.contiguous();
+  if (!q_aligned) q = query.clone(at::MemoryFormat::Contiguous);  // a new, aligned allocation
 
   qops::attention::PagedDecodeInt8Params p{};
   p.query = q.data_ptr();
@@ -288,7 +288,7 @@ at::Tensor int4_gqa_decode_cuda(const at::Tensor& query, const at::Tensor& k_cac
   at::Tensor q = query;
   if (!(reinterpret_cast<uintptr_t>(q.data_ptr()) % 16 == 0 && q.stride(0) % 8 == 0 &&
         q.stride(1) % 8 == 0)) {
-    q = query.contiguous();
+    q = query.clone(at::MemoryFormat::Contiguous);  // a new, aligned allocation
   }
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int max_context = static_cast<int>(max_blocks * bs);
@@ -403,6 +403,7 @@ at::Tensor paged_prefill_attention_int8_cuda(
   check_alibi(alibi_slopes, HQ, k_cache, op);
   QOPS_CHECK_VALUE(max_query_len >= 0 && max_query_len <= T, op,
                    "max_query_len must be in [0, T = ", T, "], got ", max_query_len);
+  // (max_query_len only sizes the grid: the kernel's CTAs loop over a longer sequence's tiles)
   QOPS_CHECK_VALUE(B <= 65535 && HQ <= 65535, op,
                    "at most 65535 sequences and 65535 query heads per call on CUDA, got ", B,
                    " and ", HQ);
@@ -412,12 +413,12 @@ at::Tensor paged_prefill_attention_int8_cuda(
 
   const c10::cuda::CUDAGuard guard(query.device());
   auto out = at::empty({T, HQ, D}, query.options());
-  if (B == 0 || T == 0 || max_query_len == 0) return out;
+  if (B == 0 || T == 0) return out;
   // The kernel loads 8-byte vectors of each query row.
   at::Tensor q = query;
   if (reinterpret_cast<uintptr_t>(q.data_ptr()) % 8 != 0 || q.stride(0) % 4 != 0 ||
       q.stride(1) % 4 != 0) {
-    q = query.contiguous();
+    q = query.clone(at::MemoryFormat::Contiguous);  // a new, aligned allocation
   }
   qops::attention::PagedPrefillInt8Params p{};
   p.query = q.data_ptr();

@@ -125,7 +125,8 @@ def _bad(**over):
         (dict(cu_seqlens_q=torch.tensor([0, 5, 21], dtype=torch.int32)), "from 0 to T = 22"),
         (dict(cu_seqlens_q=torch.tensor([0, 23, 22], dtype=torch.int32)), "without decreasing"),
         (dict(cu_seqlens_q=torch.tensor([0, 9, 22], dtype=torch.int32)), "must be in its context"),
-        (dict(max_query_len=16), "max_query_len must be in"),
+        (dict(max_query_len=23), "max_query_len must be in"),
+        (dict(max_query_len=-1), "max_query_len must be in"),
         (dict(seq_lens=torch.tensor([8, 4000], dtype=torch.int32)), "seq_lens must be in"),
         (dict(block_tables=torch.full((2, 3), 99, dtype=torch.int32)), "block ids outside"),
         (dict(alibi_slopes=torch.ones(3)), "alibi_slopes must be float32 \\[HQ\\]"),
@@ -199,3 +200,34 @@ def test_gpu_strided_query_and_graph():
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_misaligned_query_and_any_max_query_len():
+    """A contiguous query at an address that is not 8-byte aligned (copied by the glue), and
+    max_query_len as a grid size only: 1 (CTAs loop over the long sequence's query tiles) and T."""
+    q, kc, vc, ks, vs, bt, lens, cu = (t.cuda() for t in make_inputs([5, 0], [150, 70], 8, 2, 128, 16))
+    ref = qops.paged_prefill_attention_int8(q, kc, vc, ks, vs, bt, lens, cu)
+    buf = torch.empty(q.numel() + 1, dtype=q.dtype, device="cuda")
+    odd = buf[1:].view(q.shape)
+    odd.copy_(q)
+    assert odd.is_contiguous() and odd.data_ptr() % 8 != 0
+    assert torch.equal(qops.paged_prefill_attention_int8(odd, kc, vc, ks, vs, bt, lens, cu), ref)
+    for m in (0, 1, 64, q.shape[0]):
+        assert torch.equal(qops.paged_prefill_attention_int8(q, kc, vc, ks, vs, bt, lens, cu, m), ref), m
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_v_scales_spread_over_many_octaves():
+    """V rows whose magnitudes (hence scales) differ by up to 2^24 along the context: P' = P v_scale
+    2^e keeps every key's share (the exponent follows the largest scale so far)."""
+    q, kc, vc, ks, vs, bt, lens, cu = make_inputs([300], [90], 4, 2, 64, 16, seed=5)
+    mag = 2.0 ** torch.linspace(-12, 12, ks.numel()).reshape(vs.shape)
+    vs = torch.where(torch.isnan(vs), vs, vs * mag[torch.randperm(mag.numel()).reshape(vs.shape)])
+    sm = 64**-0.5
+    out = qops.paged_prefill_attention_int8(*(t.cuda() for t in (q, kc, vc, ks, vs, bt, lens, cu)), None, sm).cpu()
+    ref = prefill_attention_reference(q, kc, vc, ks, vs, bt, lens, cu, sm, dtype=torch.float64)
+    scale = ref.abs().amax(dim=-1, keepdim=True).clamp_min(1e-30)
+    torch.testing.assert_close(out.double() / scale, ref / scale, atol=4e-3, rtol=0)

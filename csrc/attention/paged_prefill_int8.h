@@ -13,7 +13,8 @@
 //   alibi_slopes: f32 [HQ] or nullptr
 //   out:          [T, HQ, D] contiguous, the query's dtype
 // Query j of sequence b attends causally to the cached positions 0 .. seq_lens[b] - n_b + j.
-// max_query_len bounds n_b (it sizes the grid; a larger n_b is an error the kernel cannot see).
+// max_query_len sizes the grid (ceil(max_query_len / 64) CTAs per sequence and head, which loop
+// over a longer sequence's query tiles): the longest n_b is the fastest choice, any value is correct.
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -59,7 +59,7 @@ def _check_args(query, k_cache, v_cache, k_scales, v_scales, block_tables, seq_l
 def _check_values(query, seq_lens, cu_seqlens_q, max_query_len: int) -> None:
     """The reference's value checks of the packing (the CUDA kernel cannot check them without a
     synchronization): ``cu_seqlens_q`` from 0 to T, non-decreasing; every sequence's new tokens
-    within its context; ``max_query_len`` at least the longest."""
+    within its context; ``max_query_len`` in [0, T]."""
     op = _OP
     cu = cu_seqlens_q.long().cpu()
     n = cu[1:] - cu[:-1]
@@ -76,12 +76,10 @@ def _check_values(query, seq_lens, cu_seqlens_q, max_query_len: int) -> None:
         "every sequence's new tokens must be in its context (cu_seqlens_q[b + 1] - cu_seqlens_q[b] <= "
         f"seq_lens[b]), got {n[bad][:4].tolist()} new tokens for lengths {lens[bad][:4].tolist()}",
     )
-    longest = int(n.max()) if n.numel() else 0
     check(
-        0 <= max_query_len <= query.shape[0] and max_query_len >= longest,
+        0 <= max_query_len <= query.shape[0],
         op,
-        f"max_query_len must be in [longest sequence's new tokens = {longest}, T = {query.shape[0]}], "
-        f"got {max_query_len}",
+        f"max_query_len must be in [0, T = {query.shape[0]}], got {max_query_len}",
     )
 
 
@@ -211,8 +209,10 @@ def paged_prefill_attention_int8(
         block_tables: int32 ``[B, max_blocks]``; seq_lens: int32 ``[B]`` (whole contexts).
         cu_seqlens_q: int32 ``[B + 1]``, from 0 to T, non-decreasing (a sequence may have no new
             token).
-        max_query_len: the longest ``n_b`` (sizes the CUDA grid); ``None`` reads it from
-            ``cu_seqlens_q`` (a device synchronization: pass it when capturing a CUDA graph).
+        max_query_len: in ``[0, T]``, sizes the CUDA grid; the longest ``n_b`` is the fastest
+            choice, and any value gives the same result (CTAs loop over longer sequences' query
+            tiles). ``None`` reads the longest from ``cu_seqlens_q`` (a device synchronization:
+            pass it when capturing a CUDA graph).
         sm_scale: softmax scale; ``None`` means ``D ** -0.5``.
         alibi_slopes: optional float32 ``[HQ]``.
         enable_pdl: keyword-only; programmatic dependent launch (sm_90); ``None``: the
