@@ -41,6 +41,37 @@ void check_tables(const at::Tensor& block_tables, const at::Tensor& seq_lens, in
   check_same_device(seq_lens, ref, op, "seq_lens");
 }
 
+// A half query [rows, HQ, D] (last dimension contiguous, D in {64, 128}, HQ a multiple of H_kv)
+// over one layer's int8 cache on its device; true for static scales (check_kv_cache).
+bool check_query_and_cache(const at::Tensor& query, const at::Tensor& k_cache,
+                           const at::Tensor& v_cache, const at::Tensor& k_scales,
+                           const at::Tensor& v_scales, const char* rows, const char* op) {
+  check_half(query, op, "query");
+  QOPS_CHECK_VALUE(query.dim() == 3, op, "query must be [", rows, ", HQ, D], got shape ",
+                   query.sizes());
+  QOPS_CHECK_VALUE(query.stride(2) == 1, op,
+                   "query's last dimension must be contiguous (stride 1)");
+  const bool is_static = check_kv_cache(k_cache, v_cache, k_scales, v_scales, op);
+  check_same_device(query, k_cache, op, "query");
+  const int64_t HQ = query.size(1), D = query.size(2), HKV = k_cache.size(1);
+  QOPS_CHECK_VALUE(D == k_cache.size(3), op, "query's D = ", D,
+                   " must match k_cache's D = ", k_cache.size(3));
+  QOPS_CHECK_VALUE(D == 64 || D == 128, op, "head dim D must be one of (64, 128), got ", D);
+  QOPS_CHECK_VALUE(HQ > 0 && HQ % HKV == 0, op, "the number of query heads (", HQ,
+                   ") must be a multiple of the number of kv heads (", HKV, ")");
+  return is_static;
+}
+
+// The query as the kernels load it, in vectors of `bytes` bytes per row: `query` itself when its
+// address and its row and head strides allow that, else a copy in a fresh (aligned) allocation.
+// (contiguous() would not do: a contiguous tensor at a misaligned address is returned as it is.)
+at::Tensor vector_aligned(const at::Tensor& query, int bytes) {
+  const int64_t elems = bytes / static_cast<int64_t>(query.element_size());
+  const bool ok = reinterpret_cast<uintptr_t>(query.data_ptr()) % bytes == 0 &&
+                  query.stride(0) % elems == 0 && query.stride(1) % elems == 0;
+  return ok ? query : query.clone(at::MemoryFormat::Contiguous);
+}
+
 // Optional ALiBi slopes: float32 [HQ] on ref's device.
 void check_alibi(const std::optional<at::Tensor>& alibi_slopes, int64_t HQ, const at::Tensor& ref,
                  const char* op) {
@@ -160,19 +191,10 @@ at::Tensor paged_decode_attention_int8_cuda(
   const Merge merge = parse_merge(merge_name, op);
   QOPS_CHECK_VALUE(warps == 0 || warps == 4 || warps == 8, op,
                    "warps must be 0 (the kernel's choice), 4 or 8, got ", warps);
-  check_half(query, op, "query");
-  QOPS_CHECK_VALUE(query.dim() == 3, op, "query must be [B, HQ, D], got shape ", query.sizes());
-  QOPS_CHECK_VALUE(query.stride(2) == 1, op,
-                   "query's last dimension must be contiguous (stride 1)");
-  const bool is_static = check_kv_cache(k_cache, v_cache, k_scales, v_scales, op);
-  check_same_device(query, k_cache, op, "query");
+  const bool is_static =
+      check_query_and_cache(query, k_cache, v_cache, k_scales, v_scales, "B", op);
   const int64_t B = query.size(0), HQ = query.size(1), D = query.size(2);
   const int64_t HKV = k_cache.size(1);
-  QOPS_CHECK_VALUE(D == k_cache.size(3), op, "query's D = ", D,
-                   " must match k_cache's D = ", k_cache.size(3));
-  QOPS_CHECK_VALUE(D == 64 || D == 128, op, "head dim D must be one of (64, 128), got ", D);
-  QOPS_CHECK_VALUE(HQ > 0 && HQ % HKV == 0, op, "the number of query heads (", HQ,
-                   ") must be a multiple of the number of kv heads (", HKV, ")");
   check_tables(block_tables, seq_lens, B, k_cache, op);
   check_alibi(alibi_slopes, HQ, k_cache, op);
   QOPS_CHECK_VALUE(num_splits >= 0, op, "num_splits must be >= 0 (0: heuristic), got ", num_splits);
@@ -185,11 +207,8 @@ at::Tensor paged_decode_attention_int8_cuda(
   const c10::cuda::CUDAGuard guard(query.device());
   auto out = at::empty({B, HQ, D}, query.options());
   if (B == 0) return out;
-  // The kernel loads 16-byte vectors of each query row.
-  at::Tensor q = query;
-  const bool q_aligned = reinterpret_cast<uintptr_t>(q.data_ptr()) % 16 == 0 &&
-                         q.stride(0) % 8 == 0 && q.stride(1) % 8 == 0;
-  if (!q_aligned) q = query.clone(at::MemoryFormat::Contiguous);  // a new, aligned allocation
+  const at::Tensor q = vector_aligned(query, 16);  // the kernel loads 16-byte vectors of a row
+  const bool q_aligned = q.is_same(query);
 
   qops::attention::PagedDecodeInt8Params p{};
   p.query = q.data_ptr();
@@ -285,11 +304,7 @@ at::Tensor int4_gqa_decode_cuda(const at::Tensor& query, const at::Tensor& k_cac
   const c10::cuda::CUDAGuard guard(query.device());
   auto out = at::empty({B, HQ, D}, query.options());
   if (B == 0) return out;
-  at::Tensor q = query;
-  if (!(reinterpret_cast<uintptr_t>(q.data_ptr()) % 16 == 0 && q.stride(0) % 8 == 0 &&
-        q.stride(1) % 8 == 0)) {
-    q = query.clone(at::MemoryFormat::Contiguous);  // a new, aligned allocation
-  }
+  const at::Tensor q = vector_aligned(query, 16);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int max_context = static_cast<int>(max_blocks * bs);
 
@@ -379,19 +394,10 @@ at::Tensor paged_prefill_attention_int8_cuda(
     const at::Tensor& seq_lens, const at::Tensor& cu_seqlens_q, int64_t max_query_len,
     double sm_scale, const std::optional<at::Tensor>& alibi_slopes, bool enable_pdl) {
   constexpr const char* op = "paged_prefill_attention_int8";
-  check_half(query, op, "query");
-  QOPS_CHECK_VALUE(query.dim() == 3, op, "query must be [T, HQ, D], got shape ", query.sizes());
-  QOPS_CHECK_VALUE(query.stride(2) == 1, op,
-                   "query's last dimension must be contiguous (stride 1)");
-  const bool is_static = check_kv_cache(k_cache, v_cache, k_scales, v_scales, op);
-  check_same_device(query, k_cache, op, "query");
+  const bool is_static =
+      check_query_and_cache(query, k_cache, v_cache, k_scales, v_scales, "T", op);
   const int64_t T = query.size(0), HQ = query.size(1), D = query.size(2);
   const int64_t HKV = k_cache.size(1);
-  QOPS_CHECK_VALUE(D == k_cache.size(3), op, "query's D = ", D,
-                   " must match k_cache's D = ", k_cache.size(3));
-  QOPS_CHECK_VALUE(D == 64 || D == 128, op, "head dim D must be one of (64, 128), got ", D);
-  QOPS_CHECK_VALUE(HQ > 0 && HQ % HKV == 0, op, "the number of query heads (", HQ,
-                   ") must be a multiple of the number of kv heads (", HKV, ")");
   const int64_t B = seq_lens.dim() == 1 ? seq_lens.size(0) : -1;
   check_tables(block_tables, seq_lens, B, k_cache, op);
   check_dtype(cu_seqlens_q, at::kInt, op, "cu_seqlens_q");
@@ -414,12 +420,7 @@ at::Tensor paged_prefill_attention_int8_cuda(
   const c10::cuda::CUDAGuard guard(query.device());
   auto out = at::empty({T, HQ, D}, query.options());
   if (B == 0 || T == 0) return out;
-  // The kernel loads 8-byte vectors of each query row.
-  at::Tensor q = query;
-  if (reinterpret_cast<uintptr_t>(q.data_ptr()) % 8 != 0 || q.stride(0) % 4 != 0 ||
-      q.stride(1) % 4 != 0) {
-    q = query.clone(at::MemoryFormat::Contiguous);  // a new, aligned allocation
-  }
+  const at::Tensor q = vector_aligned(query, 8);  // the kernel loads 8-byte vectors of a row
   qops::attention::PagedPrefillInt8Params p{};
   p.query = q.data_ptr();
   p.q_stride_t = q.stride(0);

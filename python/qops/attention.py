@@ -54,30 +54,42 @@ def _check_tuning(merge: str, warps: int) -> None:
     check(warps in (0, 4, 8), _OP, f"warps must be 0 (the kernel's choice), 4 or 8, got {warps}")
 
 
-def _check_args(query, k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens, alibi_slopes, num_splits) -> str:
-    op = _OP
+def check_query_and_cache(op: str, query, k_cache, v_cache, k_scales, v_scales, rows: str = "B") -> str:
+    """A half query ``[rows, HQ, D]`` (last dimension contiguous, D in HEAD_DIMS, HQ a multiple of
+    H_kv) over one layer's int8 cache on its device; returns the scale mode (``check_caches``)."""
     check_dtype(query, HALF_DTYPES, op, "query")
-    check(query.dim() == 3, op, f"query must be [B, HQ, D], got shape {tuple(query.shape)}")
+    check(query.dim() == 3, op, f"query must be [{rows}, HQ, D], got shape {tuple(query.shape)}")
     check(query.stride(-1) == 1, op, "query's last dimension must be contiguous (stride 1)")
     mode = check_caches(op, k_cache, v_cache, k_scales, v_scales)
-    b, hq, d = query.shape
+    _, hq, d = query.shape
     hkv = k_cache.shape[1]
     check(d == k_cache.shape[3], op, f"query's D = {d} must match k_cache's D = {k_cache.shape[3]}")
     check(d in HEAD_DIMS, op, f"head dim D must be one of {HEAD_DIMS}, got {d}")
     check(hq % hkv == 0, op, f"the number of query heads ({hq}) must be a multiple of the number of kv heads ({hkv})")
-    check_block_tables(op, block_tables, seq_lens, b, k_cache.device)
-    if alibi_slopes is not None:
-        check_dtype(alibi_slopes, torch.float32, op, "alibi_slopes")
-        check(
-            tuple(alibi_slopes.shape) == (hq,),
-            op,
-            f"alibi_slopes must be float32 [HQ] = [{hq}], got {tuple(alibi_slopes.shape)}",
-        )
-        check(alibi_slopes.is_contiguous(), op, "alibi_slopes must be contiguous")
+    check(query.device == k_cache.device, op, f"query must be on {k_cache.device}, got {query.device}")
+    return mode
+
+
+def check_alibi(op: str, alibi_slopes, hq: int, device) -> None:
+    """Optional ALiBi slopes: float32 ``[HQ]``, contiguous, on ``device``."""
+    if alibi_slopes is None:
+        return
+    check_dtype(alibi_slopes, torch.float32, op, "alibi_slopes")
+    check(
+        tuple(alibi_slopes.shape) == (hq,),
+        op,
+        f"alibi_slopes must be float32 [HQ] = [{hq}], got {tuple(alibi_slopes.shape)}",
+    )
+    check(alibi_slopes.is_contiguous(), op, "alibi_slopes must be contiguous")
+    check(alibi_slopes.device == device, op, f"alibi_slopes must be on {device}, got {alibi_slopes.device}")
+
+
+def _check_args(query, k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens, alibi_slopes, num_splits) -> str:
+    op = _OP
+    mode = check_query_and_cache(op, query, k_cache, v_cache, k_scales, v_scales)
+    check_block_tables(op, block_tables, seq_lens, query.shape[0], k_cache.device)
+    check_alibi(op, alibi_slopes, query.shape[1], k_cache.device)
     check(num_splits >= 0, op, f"num_splits must be >= 0 (0: heuristic), got {num_splits}")
-    for name, t in (("query", query), ("alibi_slopes", alibi_slopes)):
-        if t is not None:
-            check(t.device == k_cache.device, op, f"{name} must be on {k_cache.device}, got {t.device}")
     return mode
 
 

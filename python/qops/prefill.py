@@ -15,24 +15,16 @@ from __future__ import annotations
 import torch
 
 from . import envs
-from ._registry import HALF_DTYPES, check, check_dtype, export, fake, reference
-from .attention import HEAD_DIMS
-from .kv_cache import check_block_tables, check_caches, check_table_values
+from ._registry import check, check_dtype, export, fake, reference
+from .attention import check_alibi, check_query_and_cache
+from .kv_cache import check_block_tables, check_table_values
 
 _OP = "paged_prefill_attention_int8"
 
 
 def _check_args(query, k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens, cu_seqlens_q, alibi_slopes):
     op = _OP
-    check_dtype(query, HALF_DTYPES, op, "query")
-    check(query.dim() == 3, op, f"query must be [T, HQ, D], got shape {tuple(query.shape)}")
-    check(query.stride(-1) == 1, op, "query's last dimension must be contiguous (stride 1)")
-    check_caches(op, k_cache, v_cache, k_scales, v_scales)
-    _, hq, d = query.shape
-    hkv = k_cache.shape[1]
-    check(d == k_cache.shape[3], op, f"query's D = {d} must match k_cache's D = {k_cache.shape[3]}")
-    check(d in HEAD_DIMS, op, f"head dim D must be one of {HEAD_DIMS}, got {d}")
-    check(hq % hkv == 0, op, f"the number of query heads ({hq}) must be a multiple of the number of kv heads ({hkv})")
+    check_query_and_cache(op, query, k_cache, v_cache, k_scales, v_scales, rows="T")
     check(seq_lens.dim() == 1, op, f"seq_lens must be int32 [B], got shape {tuple(seq_lens.shape)}")
     b = seq_lens.shape[0]
     check_block_tables(op, block_tables, seq_lens, b, k_cache.device)
@@ -43,17 +35,12 @@ def _check_args(query, k_cache, v_cache, k_scales, v_scales, block_tables, seq_l
         f"cu_seqlens_q must be int32 [B + 1] = [{b + 1}], got {tuple(cu_seqlens_q.shape)}",
     )
     check(cu_seqlens_q.is_contiguous(), op, "cu_seqlens_q must be contiguous")
-    if alibi_slopes is not None:
-        check_dtype(alibi_slopes, torch.float32, op, "alibi_slopes")
-        check(
-            tuple(alibi_slopes.shape) == (hq,),
-            op,
-            f"alibi_slopes must be float32 [HQ] = [{hq}], got {tuple(alibi_slopes.shape)}",
-        )
-        check(alibi_slopes.is_contiguous(), op, "alibi_slopes must be contiguous")
-    for name, t in (("query", query), ("cu_seqlens_q", cu_seqlens_q), ("alibi_slopes", alibi_slopes)):
-        if t is not None:
-            check(t.device == k_cache.device, op, f"{name} must be on {k_cache.device}, got {t.device}")
+    check(
+        cu_seqlens_q.device == k_cache.device,
+        op,
+        f"cu_seqlens_q must be on {k_cache.device}, got {cu_seqlens_q.device}",
+    )
+    check_alibi(op, alibi_slopes, query.shape[1], k_cache.device)
 
 
 def _check_values(query, seq_lens, cu_seqlens_q, max_query_len: int) -> None:

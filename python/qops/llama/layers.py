@@ -475,34 +475,44 @@ class StepContext:
     mixed: MixedPlan | None = None
 
 
+class PaddedChunks(NamedTuple):
+    """A mixed step's chunks as one padded batch for SDPA over ``cache.gather`` (float and int4
+    caches): ``rows [B, N]`` (token rows, padded with the chunk's first), ``valid [B, N]``,
+    ``slots [B, C]`` (the cache slots of the chunk's whole context, padded with its first slot) and
+    ``mask [B, 1, N, C]`` (query ``i`` sees context position ``p <= c + i``; padded queries see
+    position 0 only, padded positions nothing)."""
+
+    rows: torch.Tensor
+    valid: torch.Tensor
+    slots: torch.Tensor
+    mask: torch.Tensor
+
+
 @dataclass
 class MixedPlan:
     """A mixed step's attention plan, built once per step (``build``) for every layer.
 
     ``decode_rows`` (int64, token rows) are the sequences with cached context and one new token:
     they take the decode kernels with ``decode_block_tables`` / ``decode_seq_lens`` (their rows of
-    the step's tables), ``None`` when there are none. Every other sequence (a prompt chunk: ``n``
-    new tokens after ``c`` cached ones) is one row of a padded batch that all of them attend in
-    one call: ``chunk_rows [B, N]`` (its token rows, padded with its first), ``chunk_valid [B, N]``,
-    ``chunk_slots [B, C]`` (the cache slots of its whole context, ``c + n`` tokens, padded with its
-    first slot) and ``chunk_mask [B, 1, N, C]`` (query ``i`` sees context position ``p <= c + i``;
-    padded queries see position 0 only, padded positions nothing). ``chunk_rows`` is ``None`` when
-    there are no chunks."""
+    the step's tables), ``None`` when there are none. Every other sequence has a prompt chunk of
+    ``n`` new tokens after ``c`` cached ones; the chunks are packed for
+    ``qops.paged_prefill_attention_int8``: ``packed_rows`` (their token rows, in order; ``None``
+    when there are no chunks), ``packed_cu`` (int32 cu_seqlens), ``packed_tables``,
+    ``packed_lens`` (``c + n``) and ``packed_max`` (the longest ``n``). ``padded()`` gives the same
+    chunks as a padded batch for SDPA, built on first use."""
 
     decode_rows: torch.Tensor | None
     decode_block_tables: torch.Tensor | None
     decode_seq_lens: torch.Tensor | None
-    chunk_rows: torch.Tensor | None = None
-    chunk_valid: torch.Tensor | None = None
-    chunk_slots: torch.Tensor | None = None
-    chunk_mask: torch.Tensor | None = None
-    # the same chunks packed for qops.paged_prefill_attention_int8 (int8 caches): their token rows
-    # in order, cu_seqlens, block tables, context lengths and the longest chunk
     packed_rows: torch.Tensor | None = None
     packed_cu: torch.Tensor | None = None
     packed_tables: torch.Tensor | None = None
     packed_lens: torch.Tensor | None = None
     packed_max: int = 0
+    # (first token row, c, n) of each chunk, and the cache's block size: what padded() needs
+    chunks: tuple[tuple[int, int, int], ...] = ()
+    block_size: int = 0
+    _padded: PaddedChunks | None = None
 
     @classmethod
     def build(cls, context_lens, query_lens, block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int):
@@ -518,27 +528,31 @@ class MixedPlan:
         if not chunk:
             return cls(rows, tables, lens)
         sel = torch.tensor(chunk, device=dev)
-        c = torch.tensor([context_lens[b] for b in chunk], device=dev)[:, None]
-        n = torch.tensor([query_lens[b] for b in chunk], device=dev)[:, None]
-        first = torch.tensor([starts[b] for b in chunk], device=dev)[:, None]
-        big_n = max(query_lens[b] for b in chunk)
-        big_c = max(context_lens[b] + query_lens[b] for b in chunk)
-        i = torch.arange(big_n, device=dev)[None, :]
-        valid = i < n  # [B, N]
-        chunk_rows = torch.where(valid, first + i, first)
-        pos = torch.arange(big_c, device=dev)[None, :]
-        in_ctx = pos < c + n  # [B, C]
-        bt = block_tables.long()[sel]
-        page = torch.where(in_ctx, pos, 0) // block_size
-        slots = bt.gather(1, page) * block_size + torch.where(in_ctx, pos, 0) % block_size
-        causal = pos[:, None, :] <= (c + i)[:, :, None]  # [B, N, C]
-        mask = torch.where(valid[:, :, None], causal & in_ctx[:, None, :], pos[:, None, :] == 0)
         packed = torch.cat([torch.arange(starts[b], starts[b] + query_lens[b]) for b in chunk]).to(dev)
         cu = torch.tensor([0, *itertools.accumulate(query_lens[b] for b in chunk)], dtype=torch.int32, device=dev)
         return cls(
-            rows, tables, lens, chunk_rows, valid, slots, mask[:, None],
-            packed, cu, block_tables[sel], seq_lens[sel], big_n,
+            rows, tables, lens, packed, cu, block_tables[sel], seq_lens[sel], max(query_lens[b] for b in chunk),
+            tuple((starts[b], context_lens[b], query_lens[b]) for b in chunk), block_size,
         )  # fmt: skip
+
+    def padded(self) -> PaddedChunks:
+        """The chunks as a padded batch (``PaddedChunks``), built once per step."""
+        if self._padded is None:
+            assert self.packed_tables is not None and self.chunks
+            dev = self.packed_tables.device
+            first, c, n = (torch.tensor(x, device=dev)[:, None] for x in zip(*self.chunks))
+            big_c = max(ci + ni for _, ci, ni in self.chunks)
+            i = torch.arange(self.packed_max, device=dev)[None, :]
+            valid = i < n  # [B, N]
+            pos = torch.arange(big_c, device=dev)[None, :]
+            in_ctx = pos < c + n  # [B, C]
+            at = torch.where(in_ctx, pos, 0)
+            bs = self.block_size
+            slots = self.packed_tables.long().gather(1, at // bs) * bs + at % bs
+            causal = pos[:, None, :] <= (c + i)[:, :, None]  # [B, N, C]
+            mask = torch.where(valid[:, :, None], causal & in_ctx[:, None, :], pos[:, None, :] == 0)
+            self._padded = PaddedChunks(torch.where(valid, first + i, first), valid, slots, mask[:, None])
+        return self._padded
 
 
 def _sdpa_gqa(q, k, v, causal: bool, mask=None):
@@ -670,7 +684,7 @@ class Attention(nn.Module):
         attend causally to its whole context as read back from the cache: with an int8 cache and
         half activations, all of them in one ``qops.paged_prefill_attention_int8`` over the cache;
         otherwise gathered (``cache.gather``) and attended in one padded SDPA call
-        (``MixedPlan.chunk_mask``)."""
+        (``MixedPlan.padded``)."""
         plan = ctx.mixed
         assert plan is not None
         o = torch.empty_like(q)
@@ -684,15 +698,15 @@ class Attention(nn.Module):
                 q[plan.packed_rows], kc, vc, ks, vs, plan.packed_tables, plan.packed_lens, plan.packed_cu,
                 plan.packed_max, self.sm_scale,
             )  # fmt: skip
-        elif plan.chunk_rows is not None:
-            assert plan.chunk_slots is not None and plan.chunk_valid is not None
-            b, big_c = plan.chunk_slots.shape
-            k, v = cache.gather(self.layer_idx, plan.chunk_slots.reshape(-1), q.dtype, ctx)
+        elif plan.packed_rows is not None:
+            pc = plan.padded()
+            b, big_c = pc.slots.shape
+            k, v = cache.gather(self.layer_idx, pc.slots.reshape(-1), q.dtype, ctx)
             kb = k.reshape(b, big_c, self.hkv, self.d).transpose(1, 2)
             vb = v.reshape(b, big_c, self.hkv, self.d).transpose(1, 2)
-            qb = q[plan.chunk_rows].transpose(1, 2)  # [B, HQ, N, D]
-            ob = _sdpa_gqa(qb, kb, vb, causal=False, mask=plan.chunk_mask).transpose(1, 2)
-            o[plan.chunk_rows[plan.chunk_valid]] = ob[plan.chunk_valid]
+            qb = q[pc.rows].transpose(1, 2)  # [B, HQ, N, D]
+            ob = _sdpa_gqa(qb, kb, vb, causal=False, mask=pc.mask).transpose(1, 2)
+            o[pc.rows[pc.valid]] = ob[pc.valid]
         return o
 
     def _prefill_skvq(self, q, k, v, kc, vc, query_lens, sinks: int, window: int) -> torch.Tensor:
