@@ -494,23 +494,16 @@ class MixedPlan:
 
     ``decode_rows`` (int64, token rows) are the sequences with cached context and one new token:
     they take the decode kernels with ``decode_block_tables`` / ``decode_seq_lens`` (their rows of
-    the step's tables), ``None`` when there are none. Every other sequence has a prompt chunk of
-    ``n`` new tokens after ``c`` cached ones; the chunks are packed for
-    ``qops.paged_prefill_attention_int8``: ``packed_rows`` (their token rows, in order; ``None``
-    when there are no chunks), ``packed_cu`` (int32 cu_seqlens), ``packed_tables``,
-    ``packed_lens`` (``c + n``) and ``packed_max`` (the longest ``n``). ``padded()`` gives the same
-    chunks as a padded batch for SDPA, built on first use."""
+    the step's tables), ``None`` when there are none. Every other sequence has a prompt chunk:
+    ``chunks`` holds its first token row, its ``c`` cached and ``n`` new tokens, ``chunk_tables``
+    its block-table rows; ``padded()`` gives the chunks as one padded batch for SDPA, built on
+    first use."""
 
     decode_rows: torch.Tensor | None
     decode_block_tables: torch.Tensor | None
     decode_seq_lens: torch.Tensor | None
-    packed_rows: torch.Tensor | None = None
-    packed_cu: torch.Tensor | None = None
-    packed_tables: torch.Tensor | None = None
-    packed_lens: torch.Tensor | None = None
-    packed_max: int = 0
-    # (first token row, c, n) of each chunk, and the cache's block size: what padded() needs
-    chunks: tuple[tuple[int, int, int], ...] = ()
+    chunks: tuple[tuple[int, int, int], ...] = ()  # (first token row, c, n) per chunk
+    chunk_tables: torch.Tensor | None = None
     block_size: int = 0
     _padded: PaddedChunks | None = None
 
@@ -527,28 +520,25 @@ class MixedPlan:
         chunk = [b for b, (c, n) in enumerate(zip(context_lens, query_lens)) if not (c > 0 and n == 1)]
         if not chunk:
             return cls(rows, tables, lens)
-        sel = torch.tensor(chunk, device=dev)
-        packed = torch.cat([torch.arange(starts[b], starts[b] + query_lens[b]) for b in chunk]).to(dev)
-        cu = torch.tensor([0, *itertools.accumulate(query_lens[b] for b in chunk)], dtype=torch.int32, device=dev)
         return cls(
-            rows, tables, lens, packed, cu, block_tables[sel], seq_lens[sel], max(query_lens[b] for b in chunk),
-            tuple((starts[b], context_lens[b], query_lens[b]) for b in chunk), block_size,
+            rows, tables, lens, tuple((starts[b], context_lens[b], query_lens[b]) for b in chunk),
+            block_tables[torch.tensor(chunk, device=dev)], block_size,
         )  # fmt: skip
 
     def padded(self) -> PaddedChunks:
         """The chunks as a padded batch (``PaddedChunks``), built once per step."""
         if self._padded is None:
-            assert self.packed_tables is not None and self.chunks
-            dev = self.packed_tables.device
+            assert self.chunk_tables is not None and self.chunks
+            dev = self.chunk_tables.device
             first, c, n = (torch.tensor(x, device=dev)[:, None] for x in zip(*self.chunks))
             big_c = max(ci + ni for _, ci, ni in self.chunks)
-            i = torch.arange(self.packed_max, device=dev)[None, :]
+            i = torch.arange(max(ni for _, _, ni in self.chunks), device=dev)[None, :]
             valid = i < n  # [B, N]
             pos = torch.arange(big_c, device=dev)[None, :]
             in_ctx = pos < c + n  # [B, C]
             at = torch.where(in_ctx, pos, 0)
             bs = self.block_size
-            slots = self.packed_tables.long().gather(1, at // bs) * bs + at % bs
+            slots = self.chunk_tables.long().gather(1, at // bs) * bs + at % bs
             causal = pos[:, None, :] <= (c + i)[:, :, None]  # [B, N, C]
             mask = torch.where(valid[:, :, None], causal & in_ctx[:, None, :], pos[:, None, :] == 0)
             self._padded = PaddedChunks(torch.where(valid, first + i, first), valid, slots, mask[:, None])
@@ -572,9 +562,8 @@ class Attention(nn.Module):
     ``skvq_cache_write``) -> attention -> o projection. Decode:
     ``qops.paged_decode_attention_int8`` (int8 cache), ``qops.int4_gqa_decode`` (int4 cache) or
     SDPA over the gathered blocks (float cache). Prefill: causal SDPA per sequence, on the fresh
-    K/V or (``prefill_from_cache``) on the values read back from the cache: int8 cache and half
-    activations, ``qops.paged_prefill_attention_int8`` over the cache; otherwise SDPA on
-    ``cache.gather`` (SKVQ: each query with its own full-precision window, ``_prefill_skvq``).
+    K/V or (``prefill_from_cache``) on the values read back from the cache (SKVQ: each query with
+    its own full-precision window, ``_prefill_skvq``).
     """
 
     q_norm: nn.Parameter | None
@@ -617,12 +606,6 @@ class Attention(nn.Module):
             o = self._mixed(q, cache, ctx)
         elif not ctx.prefill_from_cache:
             o = self._prefill(q, k, v, ctx.query_lens)
-        elif isinstance(cache, Int8PagedKVCache) and q.dtype in HALF_DTYPES:
-            # over the int8 cache as it is, every sequence in one call (no dequantized copy)
-            kc, vc, ks, vs = cache.layer(self.layer_idx)
-            o = qops.paged_prefill_attention_int8(
-                q, kc, vc, ks, vs, ctx.block_tables, ctx.seq_lens, ctx.cu_seqlens, max(ctx.query_lens), self.sm_scale
-            )
         else:
             kc, vc = cache.gather(self.layer_idx, ctx.slot_mapping, q.dtype, ctx)
             if isinstance(cache, Int4PagedKVCache) and cache.skvq:
@@ -681,24 +664,15 @@ class Attention(nn.Module):
         """A mixed step (chunked prefill, prefill beside decode; ``ctx.mixed``). Sequences with
         cached context and one new token take the decode path (``_decode`` on those rows: the same
         kernels, hence the same values, as a decode step). Every other sequence's new queries
-        attend causally to its whole context as read back from the cache: with an int8 cache and
-        half activations, all of them in one ``qops.paged_prefill_attention_int8`` over the cache;
-        otherwise gathered (``cache.gather``) and attended in one padded SDPA call
-        (``MixedPlan.padded``)."""
+        attend causally to its whole context as read back from the cache (``cache.gather``), all
+        of them in one padded SDPA call (``MixedPlan.padded``)."""
         plan = ctx.mixed
         assert plan is not None
         o = torch.empty_like(q)
         if plan.decode_rows is not None:
             sub = replace(ctx, block_tables=plan.decode_block_tables, seq_lens=plan.decode_seq_lens)
             o[plan.decode_rows] = self._decode(q[plan.decode_rows], cache, sub)
-        if plan.packed_rows is not None and isinstance(cache, Int8PagedKVCache) and q.dtype in HALF_DTYPES:
-            # the chunks packed, over the int8 cache as it is (no dequantized copy)
-            kc, vc, ks, vs = cache.layer(self.layer_idx)
-            o[plan.packed_rows] = qops.paged_prefill_attention_int8(
-                q[plan.packed_rows], kc, vc, ks, vs, plan.packed_tables, plan.packed_lens, plan.packed_cu,
-                plan.packed_max, self.sm_scale,
-            )  # fmt: skip
-        elif plan.packed_rows is not None:
+        if plan.chunks:
             pc = plan.padded()
             b, big_c = pc.slots.shape
             k, v = cache.gather(self.layer_idx, pc.slots.reshape(-1), q.dtype, ctx)

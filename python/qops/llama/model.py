@@ -302,16 +302,13 @@ class QuantizedLlamaForCausalLM(nn.Module):
                 decode=decode,
                 prefill_from_cache=prefill_from_cache,
             )
-            # the SKVQ write needs the tables and lengths in prefill too, and so does a prefill over
-            # the cache (qops.paged_prefill_attention_int8)
-            if decode or mixed or cache.skvq or prefill_from_cache:
+            if decode or mixed or cache.skvq:  # the SKVQ write needs the tables and lengths in prefill too
                 ctx.block_tables = tables = cache.block_tables(seq_ids)
                 ctx.seq_lens = lens = cache.seq_lens(seq_ids)
                 if mixed:
                     ctx.mixed = MixedPlan.build(starts, qlens, tables, lens, cache.block_size)
-            if cache.skvq or (prefill_from_cache and not decode and not mixed):
-                ctx.cu_seqlens = torch.tensor([0, *itertools.accumulate(qlens)], dtype=torch.int32, device=dev)
             if cache.skvq:
+                ctx.cu_seqlens = torch.tensor([0, *itertools.accumulate(qlens)], dtype=torch.int32, device=dev)
                 ctx.side_slots = cache.side_slots(seq_ids)
             last = None
             if last_only:
